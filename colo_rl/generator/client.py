@@ -1,0 +1,449 @@
+"""The trainer's side of the sleeping vLLM generator. Never imports vllm.
+
+`EngineProcess` owns the worker subprocess and its private control channel; `VLLMGenerator` runs
+the step protocol on top of it: offload trainer -> stage or share weights -> start engine (first
+call) -> wake weights -> load and verify -> reset prefix cache -> wake KV cache -> generate ->
+sleep -> restore trainer.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import Client, Connection
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import psutil
+import torch
+
+import colo_rl
+from colo_rl.config import GeneratorConfig, SamplingConfig, engine_python
+from colo_rl.generator.staging import tensor_checksum, write_staged_file
+from colo_rl.timing import StepTimer
+
+if TYPE_CHECKING:
+    from colo_rl.trainer.offload import Offloader
+
+log = logging.getLogger(__name__)
+
+
+class GeneratorError(RuntimeError):
+    """The engine failed; the message names the phase and the engine's log."""
+
+    def __init__(self, message: str, *, phase: str | None = None, log_path: Path | None = None):
+        where = f" during {phase}" if phase else ""
+        tail = f" (engine log: {log_path})" if log_path else ""
+        super().__init__(f"generator failed{where}: {message}{tail}")
+        self.phase = phase
+        self.log_path = log_path
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.path.getsize(path) - 16384))
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def group_members(pgid: int) -> list[psutil.Process]:
+    """Live (non-zombie) processes of process group `pgid`."""
+    members = []
+    for proc in psutil.process_iter(["status"]):
+        try:
+            if os.getpgid(proc.pid) == pgid and proc.info["status"] != psutil.STATUS_ZOMBIE:
+                members.append(proc)
+        except (ProcessLookupError, psutil.NoSuchProcess):
+            continue
+    return members
+
+
+class EngineProcess:
+    """A worker subprocess in its own process group, reached over an authenticated AF_UNIX socket."""
+
+    def __init__(self, python: str, log_path: Path, env: dict[str, str]):
+        self.python, self.log_path, self.env = python, log_path, env
+        self.proc: subprocess.Popen | None = None
+        self.conn: Connection | None = None
+        self.socket_dir: str | None = None
+        self._next_id = 0
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def spawn(self, connect_timeout: float) -> None:
+        self.socket_dir = tempfile.mkdtemp(prefix="colo_rl-")  # mode 0700
+        socket_path = os.path.join(self.socket_dir, "control.sock")
+        authkey = os.urandom(32)
+        config_path = os.path.join(self.socket_dir, "worker.json")
+        fd = os.open(config_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump({"socket": socket_path, "authkey": authkey.hex(), "parent_pid": os.getpid()}, f)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log_file:
+            self.proc = subprocess.Popen(
+                [self.python, "-m", "colo_rl.generator.worker", config_path],
+                stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
+                env=self.env, start_new_session=True)
+        self.conn = self._connect(socket_path, authkey, connect_timeout)
+
+    def _connect(self, socket_path: str, authkey: bytes, timeout: float) -> Connection:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self._raise_if_dead("connect")
+            if os.path.exists(socket_path):
+                try:
+                    return Client(socket_path, family="AF_UNIX", authkey=authkey)
+                except (ConnectionRefusedError, FileNotFoundError):
+                    pass  # the listener is not accepting yet
+            time.sleep(0.05)
+        raise GeneratorError(f"worker did not open its control socket within {timeout:.0f} s",
+                             phase="connect", log_path=self.log_path)
+
+    def _raise_if_dead(self, op: str) -> None:
+        if self.proc is not None and self.proc.poll() is not None:
+            raise GeneratorError(f"engine worker exited with code {self.proc.returncode} while "
+                                 f"handling '{op}'; last log lines:\n{_tail(self.log_path)}",
+                                 phase=op, log_path=self.log_path)
+
+    def send(self, op: str, **args) -> int:
+        """Send a request without waiting; returns its id."""
+        self._next_id += 1
+        self.conn.send({"id": self._next_id, "op": op, "args": args})
+        return self._next_id
+
+    def request(self, op: str, timeout: float, **args):
+        """Send a request and wait for its reply; replies to earlier requests are discarded."""
+        request_id = self.send(op, **args)
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.conn.poll(0.1):
+                try:
+                    reply = self.conn.recv()
+                except (EOFError, ConnectionError):
+                    self.proc.wait(timeout=10)
+                    self._raise_if_dead(op)
+                    raise GeneratorError("control connection closed", phase=op, log_path=self.log_path)
+                if reply.get("id") != request_id:
+                    log.warning("discarding stale reply %s while waiting for request %s (%s)",
+                                reply.get("id"), request_id, op)
+                    continue
+                if not reply["ok"]:
+                    raise GeneratorError(reply["error"], phase=op, log_path=self.log_path)
+                return reply["result"]
+            self._raise_if_dead(op)
+            if time.monotonic() > deadline:
+                self.kill()
+                raise GeneratorError(f"no reply within {timeout:.0f} s; the engine's process group "
+                                     "was killed", phase=op, log_path=self.log_path)
+
+    def kill(self, grace: float = 10.0) -> bool:
+        """SIGTERM, then SIGKILL, the worker's own process group; True once none of it is left."""
+        if self.proc is None:
+            return True
+        pgid = self.proc.pid  # start_new_session made the worker its group's leader
+        for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
+            try:
+                os.killpg(pgid, sig)
+            except ProcessLookupError:
+                pass
+            deadline = time.monotonic() + wait
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None and not group_members(pgid):
+                    return True
+                time.sleep(0.1)
+        return self.proc.poll() is not None and not group_members(pgid)
+
+    def close(self, timeout: float = 60.0) -> int | None:
+        """Ask the worker to shut down, wait, then kill its group; returns its exit code."""
+        if self.proc is None:
+            return None
+        if self.alive() and self.conn is not None:
+            try:
+                self.request("shutdown", timeout=timeout)
+                self.proc.wait(timeout=timeout)
+            except (GeneratorError, OSError, subprocess.TimeoutExpired) as exc:
+                log.warning("engine did not shut down politely (%s); killing its process group", exc)
+        released = self.kill()
+        if self.conn is not None:
+            self.conn.close()
+        if self.socket_dir:
+            shutil.rmtree(self.socket_dir, ignore_errors=True)
+        code = self.proc.returncode
+        self.proc, self.conn, self.socket_dir = None, None, None
+        if not released:
+            raise GeneratorError("processes of the engine's group survived SIGKILL",
+                                 phase="close", log_path=self.log_path)
+        return code
+
+
+class _NoOffload:
+    """Stands in for the trainer's Offloader when the caller keeps its tensors where they are."""
+
+    def offload(self, parts=()) -> dict:
+        return {}
+
+    def restore(self) -> dict:
+        return {}
+
+
+@dataclass
+class Rollouts:
+    """One step's generations, grouped: prompt i's completions are [i*n:(i+1)*n]."""
+
+    prompt_ids: list[list[int]]
+    completion_ids: list[list[int]]
+    texts: list[str]
+    logprobs: list[list[float]] | None
+    finish_reasons: list[str]
+    group_size: int
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class VLLMGenerator:
+    """A vLLM engine in its own subprocess that sleeps while the trainer has the GPU."""
+
+    def __init__(self, cfg: GeneratorConfig, *, model_dir: Path, dtype: str, log_dir: Path,
+                 seed: int = 0, trust_remote_code: bool = False, tokenizer: str | None = None):
+        self.cfg = cfg
+        self.model_dir, self.dtype, self.seed = Path(model_dir), dtype, seed
+        self.trust_remote_code, self.tokenizer = trust_remote_code, tokenizer
+        self.log_path = Path(log_dir) / "engine.log"
+        self.process: EngineProcess | None = None
+        self.engine_info: dict = {}
+        self.weight_sync: str | None = None
+        self.pushes = 0
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def _env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        package_root = str(Path(colo_rl.__file__).resolve().parent.parent)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.cfg.cpu_kvcache_gib))
+        env.setdefault("TOKENIZERS_PARALLELISM", "false")
+        if self.cfg.in_process:
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        if self.cfg.device == "cpu":
+            env["CUDA_VISIBLE_DEVICES"] = ""
+        return env
+
+    def engine_kwargs(self) -> dict:
+        kwargs = dict(model=str(self.model_dir), tokenizer=self.tokenizer or str(self.model_dir),
+                      dtype=self.dtype, load_format="dummy", seed=self.seed,
+                      gpu_memory_utilization=self.cfg.gpu_memory_utilization,
+                      max_model_len=self.cfg.max_model_len, max_num_seqs=self.cfg.max_num_seqs,
+                      enforce_eager=self.cfg.enforce_eager, trust_remote_code=self.trust_remote_code)
+        if self.cfg.in_process:
+            kwargs["distributed_executor_backend"] = "uni"
+        kwargs.update(self.cfg.engine_kwargs)
+        return kwargs
+
+    def start(self, hf_specs: list[list]) -> dict:
+        """Start the worker and its engine (asleep on GPU) and check the weight mapping."""
+        self.process = EngineProcess(engine_python(self.cfg), self.log_path, self._env())
+        self.process.spawn(connect_timeout=self.cfg.start_timeout_s)
+        info = self.process.request("start", timeout=self.cfg.start_timeout_s,
+                                    engine_kwargs=self.engine_kwargs(), sleep_level=self.cfg.sleep_level)
+        plan = self.process.request("plan", timeout=self.cfg.request_timeout_s, hf_specs=hf_specs)
+        if plan["unmapped"] or plan["uncovered"]:
+            raise GeneratorError(
+                f"the trainer's parameters do not map onto the engine's: unmapped "
+                f"{plan['unmapped'][:10]}, engine parameters nothing loads {plan['uncovered'][:10]}. "
+                f"Check that model.* describes the same architecture the engine runs",
+                phase="plan", log_path=self.log_path)
+        self.engine_info = {**info, **plan}
+        self.weight_sync = self._choose_weight_sync(info)
+        return self.engine_info
+
+    def _choose_weight_sync(self, info: dict) -> str:
+        mode = self.cfg.weight_sync
+        if mode == "auto":
+            return "cuda_ipc" if info["platform"] == "cuda" and torch.cuda.is_available() else "file"
+        if mode == "cuda_ipc" and not (info["platform"] == "cuda" and torch.cuda.is_available()):
+            raise GeneratorError("generator.weight_sync=cuda_ipc needs the trainer and the engine on "
+                                 "one CUDA GPU; use generator.weight_sync=file", phase="start",
+                                 log_path=self.log_path)
+        return mode
+
+    def close(self) -> int | None:
+        if self.process is None:
+            return None
+        process, self.process = self.process, None
+        code = process.close()
+        if code not in (0, None):
+            raise GeneratorError(f"engine worker exited with code {code}", phase="close",
+                                 log_path=self.log_path)
+        return code
+
+    def __enter__(self) -> "VLLMGenerator":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if exc[0] is None:
+            self.close()
+        elif self.process is not None:
+            self.process.close()  # already failing: don't mask the original error
+
+    # -- one step --------------------------------------------------------------------------
+
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig, *, model: torch.nn.Module,
+                 offloader: Offloader | None = None, seed: int | None = None) -> Rollouts:
+        """Push `model`'s weights, generate `sampling.n` completions per prompt, hand the GPU back.
+
+        On any failure the engine is put to sleep (or its process group killed) before the
+        trainer's tensors go back to the GPU; if it cannot be stopped, they stay on the CPU.
+        """
+        offloader = offloader or _NoOffload()
+        timer = StepTimer()
+        start = time.perf_counter()
+        try:
+            result = self._cycle(prompt_ids, sampling, model, offloader, seed, timer)
+        except BaseException as exc:
+            phase = timer.current or "generate"
+            recovered = self._recover(offloader)
+            if isinstance(exc, GeneratorError) or not isinstance(exc, Exception):
+                if not recovered:
+                    raise GeneratorError(f"{exc}; the engine could not be stopped, so the trainer's "
+                                         "state stays on the CPU", phase=phase,
+                                         log_path=self.log_path) from exc
+                raise
+            raise GeneratorError(f"{type(exc).__name__}: {exc}", phase=phase,
+                                 log_path=self.log_path) from exc
+        timer.metrics["timing/generator_total_s"] = time.perf_counter() - start
+        m = timer.metrics
+        m["timing/wake_s"] = m.get("timing/wake_weights_s", 0.0) + m.get("timing/wake_kv_s", 0.0)
+        result.metrics.update(m)
+        return result
+
+    def _hf_tensors(self, model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+        # named_parameters() yields tied parameters once: an alias is pushed and counted once.
+        return [(name, p.detach()) for name, p in model.named_parameters()]
+
+    def _cycle(self, prompt_ids, sampling, model, offloader, seed, timer: StepTimer) -> Rollouts:
+        m = timer.metrics
+        timer.memory("trainer_step")
+        if self.process is not None and not self.process.alive():
+            self.process.close()  # a dead engine (restart_on_failure): clean up, start afresh
+            self.process = None
+        if self.process is None:
+            with timer.phase("server_start"):
+                specs = [[name, list(t.shape)] for name, t in self._hf_tensors(model)]
+                self.start(specs)
+            timer.memory("server_start")
+        r = self.cfg.request_timeout_s
+        if self.weight_sync == "cuda_ipc":
+            with timer.phase("offload"):
+                offloader.offload(("optimizer",))
+            with timer.phase("wake_weights"):
+                self.process.request("wake", timeout=r, tags=["weights"])
+            with timer.phase("weight_load"):
+                stats = self._push_ipc(model)
+            with timer.phase("offload"):
+                offloader.offload(("params",))
+        else:
+            with timer.phase("offload"):
+                offloader.offload(("optimizer", "params"))
+            timer.memory("offload")
+            with timer.phase("stage"):
+                path, fingerprint = write_staged_file(
+                    [(n, t.cpu()) for n, t in self._hf_tensors(model)], self._staging_dir())
+            try:
+                with timer.phase("wake_weights"):
+                    self.process.request("wake", timeout=r, tags=["weights"])
+                with timer.phase("weight_load"):
+                    stats = self.process.request("load_file", timeout=r, path=str(path),
+                                                 fingerprint=fingerprint)
+            finally:
+                path.unlink(missing_ok=True)
+        with timer.phase("weight_load"):
+            self.process.request("reset_prefix_cache", timeout=r)
+        self.pushes += 1
+        m.update({f"sync/{k}": float(v) for k, v in stats.items()})
+        timer.memory("wake_weights")
+        with timer.phase("wake_kv"):
+            self.process.request("wake", timeout=r, tags=["kv_cache"])
+        timer.memory("wake_kv")
+        with timer.phase("generate"):
+            out = self.process.request("generate", timeout=r, prompts=prompt_ids,
+                                       sampling=self._sampling_params(sampling, seed))
+        with timer.phase("sleep"):
+            slept = self.process.request("sleep", timeout=r, level=self.cfg.sleep_level)
+        timer.memory("sleep")
+        with timer.phase("restore"):
+            offloader.restore()
+        timer.memory("restore")
+        m["generator/sleep_skipped"] = float(slept["skipped"])
+        return self._rollouts(prompt_ids, out, sampling.n, m)
+
+    def _push_ipc(self, model: torch.nn.Module) -> dict:
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        entries = []
+        for name, t in self._hf_tensors(model):
+            rebuild, args = reduce_tensor(t)
+            entries.append((name, rebuild, args, tensor_checksum(t)))
+        stats = self.process.request("load_ipc", timeout=self.cfg.request_timeout_s,
+                                     payload=pickle.dumps(entries))
+        torch.cuda.ipc_collect()  # the engine dropped its mappings; let our allocator free them
+        return stats
+
+    def _staging_dir(self) -> str:
+        if self.cfg.staging_dir != "auto":
+            return self.cfg.staging_dir
+        return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+
+    @staticmethod
+    def _sampling_params(s: SamplingConfig, seed: int | None) -> dict:
+        return {"n": s.n, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
+                "max_tokens": s.max_tokens, "stop": list(s.stop), "seed": seed,
+                "logprobs": 0 if s.logprobs else None}
+
+    @staticmethod
+    def _rollouts(prompt_ids, out: dict, n: int, metrics: dict) -> Rollouts:
+        lengths = [len(ids) for ids in out["token_ids"]]
+        generated = sum(lengths)
+        metrics.update({"rollout/tokens": float(generated),
+                        "rollout/mean_length": generated / max(1, len(lengths)),
+                        "rollout/tokens_per_s": generated / max(metrics.get("timing/generate_s", 0), 1e-9)})
+        return Rollouts(prompt_ids=prompt_ids, completion_ids=out["token_ids"], texts=out["texts"],
+                        logprobs=out["logprobs"], finish_reasons=out["finish_reasons"], group_size=n,
+                        metrics=metrics)
+
+    def _recover(self, offloader) -> bool:
+        """Free the GPU from the engine (sleep, else kill its group), then restore the trainer.
+
+        Returns False when the engine could not be stopped; the trainer then stays on the CPU.
+        """
+        released = False
+        if self.process is not None and self.process.alive():
+            try:
+                self.process.request("sleep", timeout=60, level=self.cfg.sleep_level)
+                released = True
+            except GeneratorError as exc:
+                log.warning("engine did not go to sleep after a failure (%s); killing it", exc)
+        if not released and self.process is not None:
+            released = self.process.kill()
+            if released:
+                self.process.close()
+                self.process = None
+        elif self.process is None:
+            released = True
+        if released:
+            offloader.restore()
+        return released

@@ -1,0 +1,199 @@
+"""The engine process: owns one vllm.LLM and serves the trainer's requests over a private socket.
+
+Started by `colo_rl.generator.client.VLLMGenerator` as
+`PYTHON -m colo_rl.generator.worker CONFIG_JSON` in its own process group, possibly under
+another interpreter: this is the only colo_rl module that imports vllm.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+import traceback
+from multiprocessing import AuthenticationError
+from multiprocessing.connection import Connection, Listener
+
+PR_SET_PDEATHSIG = 1
+
+
+class Shutdown(BaseException):
+    """Raised by the SIGTERM handler so the engine is torn down on the normal path."""
+
+
+def arm_parent_death_signal(parent_pid: int) -> None:
+    """Get SIGTERM when the trainer dies; exit now if it already has (the race prctl leaves open)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != parent_pid:
+        print(f"colo_rl worker: parent {parent_pid} is gone before start; exiting", flush=True)
+        sys.exit(3)
+
+
+def _on_sigterm(signum, frame):
+    raise Shutdown()
+
+
+def accept_trainer(listener: Listener) -> Connection:
+    """Accept the trainer's connection; refuse every other client (wrong key or second comer)."""
+    first: queue.Queue = queue.Queue(maxsize=1)
+
+    def serve_accepts():
+        while True:
+            try:
+                conn = listener.accept()
+            except (AuthenticationError, EOFError, ConnectionError) as exc:
+                print(f"colo_rl worker: refused a client: {exc!r}", flush=True)
+                continue
+            except OSError:
+                return  # the listener was closed at shutdown
+            if first.empty():
+                first.put(conn)
+            else:
+                print("colo_rl worker: refused a second client", flush=True)
+                conn.close()
+
+    threading.Thread(target=serve_accepts, name="colo_rl-accept", daemon=True).start()
+    return first.get()
+
+
+class EngineServer:
+    """The operations the trainer may ask for; each returns plain data (picklable, no tensors)."""
+
+    def __init__(self, settings: dict):
+        self.settings = settings
+        self.llm = None
+        self.sleep_supported = False
+
+    def op_ping(self) -> dict:
+        return {"pid": os.getpid(), "engine": self.llm is not None}
+
+    def op_start(self, engine_kwargs: dict, sleep_level: int) -> dict:
+        start = time.perf_counter()
+        import vllm
+        from vllm import LLM
+        from vllm.platforms import current_platform
+
+        self.sleep_supported = current_platform.is_cuda()
+        kwargs = dict(engine_kwargs)
+        if kwargs.get("enforce_eager") is None:
+            kwargs["enforce_eager"] = not self.sleep_supported  # CUDA graphs on GPU
+        if self.sleep_supported:
+            kwargs["enable_sleep_mode"] = True  # vLLM refuses it on CPU
+        kwargs.setdefault("worker_extension_cls", "colo_rl.generator.extension.WeightSyncExtension")
+        self.llm = LLM(**kwargs)
+        if self.sleep_supported:
+            self.llm.sleep(level=sleep_level)  # start asleep: the trainer has the GPU
+        return {"seconds": time.perf_counter() - start, "sleep_supported": self.sleep_supported,
+                "platform": "cuda" if current_platform.is_cuda() else current_platform.device_type,
+                "vllm_version": vllm.__version__, "enforce_eager": kwargs["enforce_eager"]}
+
+    def op_plan(self, hf_specs: list) -> dict:
+        return self.llm.collective_rpc("colo_rl_plan", args=(hf_specs,))[0]
+
+    def op_wake(self, tags: list[str]) -> dict:
+        if self.sleep_supported:
+            self.llm.wake_up(tags=tags)
+        return {"skipped": not self.sleep_supported}
+
+    def op_sleep(self, level: int) -> dict:
+        if self.sleep_supported:
+            self.llm.sleep(level=level)
+        return {"skipped": not self.sleep_supported}
+
+    def op_load_file(self, path: str, fingerprint: str) -> dict:
+        return self.llm.collective_rpc("colo_rl_load_file", args=(path, fingerprint))[0]
+
+    def op_load_ipc(self, payload: bytes) -> dict:
+        return self.llm.collective_rpc("colo_rl_load_ipc", args=(payload,))[0]
+
+    def op_reset_prefix_cache(self) -> dict:
+        self.llm.reset_prefix_cache()
+        return {}
+
+    def op_generate(self, prompts: list[list[int]], sampling: dict) -> dict:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(**sampling)
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+                                    use_tqdm=False)
+        if len(outputs) != len(prompts):
+            raise RuntimeError(f"engine returned {len(outputs)} outputs for {len(prompts)} prompts")
+        token_ids, texts, logprobs, finish = [], [], [], []
+        for i, request in enumerate(outputs):
+            indices = sorted(o.index for o in request.outputs)
+            if indices != list(range(params.n)):
+                raise RuntimeError(f"prompt {i}: completion indices {indices} are not 0..{params.n - 1}")
+            for o in sorted(request.outputs, key=lambda o: o.index):
+                token_ids.append(list(o.token_ids))
+                texts.append(o.text)
+                finish.append(o.finish_reason)
+                if params.logprobs is not None:
+                    logprobs.append([step[t].logprob for t, step in zip(o.token_ids, o.logprobs)])
+        return {"token_ids": token_ids, "texts": texts, "finish_reasons": finish,
+                "logprobs": logprobs if params.logprobs is not None else None}
+
+    def close(self) -> None:
+        if self.llm is not None:
+            engine_core = getattr(self.llm.llm_engine, "engine_core", None)
+            if engine_core is not None and hasattr(engine_core, "shutdown"):
+                engine_core.shutdown()
+            self.llm = None
+
+
+def serve(conn: Connection, server: EngineServer) -> None:
+    """Answer requests until asked to shut down; every reply carries its request's id."""
+    while True:
+        try:
+            message = conn.recv()
+        except EOFError:
+            print("colo_rl worker: trainer closed the connection", flush=True)
+            return
+        request_id = message.get("id") if isinstance(message, dict) else None
+        op = message.get("op") if isinstance(message, dict) else None
+        if op == "shutdown":
+            conn.send({"id": request_id, "ok": True, "result": {}})
+            return
+        handler = getattr(server, f"op_{op}", None) if isinstance(op, str) else None
+        if handler is None:
+            conn.send({"id": request_id, "ok": False,
+                       "error": f"unknown or malformed request {message!r:.200}"})
+            continue
+        try:
+            result = handler(**message.get("args", {}))
+            conn.send({"id": request_id, "ok": True, "result": result})
+        except Exception as exc:  # reported to the trainer, which decides what to do
+            traceback.print_exc()
+            conn.send({"id": request_id, "ok": False, "error": f"{type(exc).__name__}: {exc}",
+                       "traceback": traceback.format_exc()})
+
+
+def main(config_path: str) -> int:
+    with open(config_path) as f:
+        settings = json.load(f)
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer decides when to stop
+    arm_parent_death_signal(settings["parent_pid"])
+    listener = Listener(settings["socket"], family="AF_UNIX",
+                        authkey=bytes.fromhex(settings["authkey"]))
+    server = EngineServer(settings)
+    try:
+        serve(accept_trainer(listener), server)
+    except Shutdown:
+        print("colo_rl worker: SIGTERM, shutting the engine down", flush=True)
+        return 143
+    finally:
+        server.close()
+        listener.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

@@ -1,0 +1,141 @@
+"""Where step metrics go: metrics.jsonl always, a W&B run when logger.backend=wandb, a progress
+bar while running, and a summary table at the end."""
+
+from __future__ import annotations
+
+import json
+import math
+import netrc
+import os
+from pathlib import Path
+from statistics import mean
+
+from colo_rl.config import LoggerConfig
+
+STEP_KEY = "train/step"
+# Phases of a step in the order they happen; the summary table and dashboards use this order.
+PHASES = ("offload", "stage", "server_start", "wake_weights", "weight_load", "wake_kv", "generate",
+          "sleep", "restore", "score", "train")
+
+
+def wandb_mode(requested: str) -> str:
+    """`auto`: online when a W&B API key is configured here, offline otherwise."""
+    if requested != "auto":
+        return requested
+    if os.environ.get("WANDB_API_KEY"):
+        return "online"
+    try:
+        if netrc.netrc().authenticators("api.wandb.ai"):
+            return "online"
+    except (FileNotFoundError, netrc.NetrcParseError):
+        pass
+    return "offline"
+
+
+class MetricsLogger:
+    """Writes each step's metrics to metrics.jsonl and, optionally, one W&B run per job."""
+
+    def __init__(self, cfg: LoggerConfig, *, output_dir: Path, config: dict,
+                 group: str | None = None, name: str | None = None, total_steps: int = 0,
+                 initial_step: int = 0):
+        self.cfg = cfg
+        self.output_dir = Path(output_dir)
+        self.config, self.group, self.name = config, cfg.group or group, cfg.name or name
+        self.total_steps, self.initial_step = total_steps, initial_step
+        self.path = self.output_dir / "metrics.jsonl"
+        self.records: list[dict] = []
+        self.run = None
+        self._file = None
+        self._bar = None
+
+    def __enter__(self) -> "MetricsLogger":
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.path, "a")
+        if self.cfg.backend == "wandb":
+            self._start_wandb()
+        if self.cfg.progress:
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(total=self.total_steps, initial=self.initial_step, desc="colo_rl",
+                             unit="step", dynamic_ncols=True)
+        return self
+
+    def _start_wandb(self) -> None:
+        import wandb
+
+        self.run = wandb.init(project=self.cfg.project, entity=self.cfg.entity, group=self.group,
+                              name=self.name, tags=list(self.cfg.tags), config=self.config,
+                              dir=str(self.output_dir), mode=wandb_mode(self.cfg.mode),
+                              reinit="finish_previous")
+        self.run.define_metric(STEP_KEY)
+        self.run.define_metric("*", step_metric=STEP_KEY)
+        self.run.define_metric("timing/*", step_metric=STEP_KEY, summary="mean")
+        self.run.define_metric("memory/*", step_metric=STEP_KEY, summary="min")
+        self.run.define_metric("reward/*", step_metric=STEP_KEY, summary="max")
+
+    def phase(self, name: str) -> None:
+        """Show the phase the step is in on the progress bar."""
+        if self._bar is not None:
+            self._bar.set_postfix_str(self._postfix(name), refresh=True)
+
+    def _postfix(self, phase: str) -> str:
+        reward = self.records[-1].get("reward/mean") if self.records else None
+        return f"reward={reward:.3f} phase={phase}" if reward is not None else f"phase={phase}"
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        record = {STEP_KEY: step, **metrics}
+        self.records.append(record)
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self.run is not None:
+            self.run.log(record)
+        if self._bar is not None:
+            self._bar.update(1)
+            self._bar.set_postfix_str(self._postfix("done"), refresh=True)
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        if self._file is not None:
+            self._file.close()
+        if self.run is not None:
+            self.run.finish(exit_code=0 if exc_type is None else 1)
+
+
+def summary_rows(records: list[dict]) -> list[tuple[str, float, float]]:
+    """(phase, mean seconds, share of the mean step) for every phase that took time."""
+    if not records:
+        return []
+    step_s = mean(r.get("timing/step_s", 0.0) for r in records) or math.nan
+    rows = []
+    for phase in PHASES:
+        key = f"timing/{phase}_s"
+        if any(key in r for r in records):  # a phase some steps skip (server_start) counts 0 there
+            seconds = mean(r.get(key, 0.0) for r in records)
+            rows.append((phase, seconds, seconds / step_s))
+    return rows
+
+
+def print_summary(records: list[dict], output_dir: Path) -> None:
+    """A rich table of where the time went, peak memory and the reward at the start and end."""
+    from rich.console import Console
+    from rich.table import Table
+
+    if not records:
+        return
+    table = Table(title=f"colo_rl: {len(records)} steps ({output_dir})")
+    table.add_column("phase")
+    table.add_column("mean s", justify="right")
+    table.add_column("share of step", justify="right")
+    for phase, seconds, share in summary_rows(records):
+        table.add_row(phase, f"{seconds:.3f}", f"{share:.1%}")
+    table.add_row("step", f"{mean(r['timing/step_s'] for r in records):.3f}", "100%")
+    console = Console()
+    console.print(table)
+    window = max(1, min(5, len(records) // 2))
+    first = mean(r["reward/mean"] for r in records[:window])
+    last = mean(r["reward/mean"] for r in records[-window:])
+    console.print(f"reward/mean: first {window} steps {first:.3f} -> last {window} steps {last:.3f}")
+    peaks = [r["memory/trainer_peak_gib"] for r in records if "memory/trainer_peak_gib" in r]
+    if peaks:
+        console.print(f"trainer peak GPU memory: {max(peaks):.2f} GiB")

@@ -1,0 +1,126 @@
+"""The policy model and its tokenizer: built locally (embedded) or found in the local HF cache.
+
+Both the trainer and the engine read the same directory: config.json and the tokenizer files.
+For the embedded model there are no weight files; the engine starts with `load_format="dummy"`
+and the trainer's weights are pushed in, exactly as in real runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import string
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+
+from colo_rl.config import ConfigError, ModelConfig
+
+PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
+CHARACTERS = string.ascii_lowercase + string.digits + " :.,;?!-+=*/()'\"_#"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelNotAvailableError(ConfigError):
+    """The configured model cannot be found locally; the message says how to make it available."""
+
+
+def _char_tokenizer(vocab_size: int):
+    """A character-level tokenizer of exactly `vocab_size` ids (unused ids are named fillers)."""
+    from tokenizers import Tokenizer, decoders, models
+
+    symbols = [PAD, BOS, EOS, *CHARACTERS]
+    if len(symbols) > vocab_size:
+        raise ConfigError(f"model.embedded.vocab_size={vocab_size} must be at least {len(symbols)} "
+                          "(the built-in character set)")
+    symbols += [f"<unused{i}>" for i in range(vocab_size - len(symbols))]
+    tok = Tokenizer(models.BPE(vocab={s: i for i, s in enumerate(symbols)}, merges=[]))
+    tok.add_special_tokens([PAD, BOS, EOS])
+    tok.decoder = decoders.Fuse()
+    return tok
+
+
+def write_embedded_model(cfg: ModelConfig, directory: str | os.PathLike) -> Path:
+    """Write config.json and tokenizer files of the embedded OLMo-2 policy into `directory`."""
+    from transformers import Olmo2Config, PreTrainedTokenizerFast
+
+    e = cfg.embedded
+    path = Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    hf_tok = PreTrainedTokenizerFast(tokenizer_object=_char_tokenizer(e.vocab_size),
+                                     bos_token=BOS, eos_token=EOS, pad_token=PAD)
+    hf_tok.model_max_length = e.max_position_embeddings
+    hf_tok.save_pretrained(path)
+    config = Olmo2Config(
+        vocab_size=e.vocab_size, hidden_size=e.hidden_size, intermediate_size=e.intermediate_size,
+        num_hidden_layers=e.num_hidden_layers, num_attention_heads=e.num_attention_heads,
+        num_key_value_heads=e.num_key_value_heads, max_position_embeddings=e.max_position_embeddings,
+        pad_token_id=hf_tok.pad_token_id, bos_token_id=hf_tok.bos_token_id,
+        eos_token_id=hf_tok.eos_token_id, tie_word_embeddings=False, torch_dtype=cfg.dtype,
+    )
+    config.architectures = ["Olmo2ForCausalLM"]
+    config.save_pretrained(path)
+    return path
+
+
+def resolve_hf_model(cfg: ModelConfig) -> Path:
+    """The local directory of `cfg.path`: the directory itself or its snapshot in the HF cache.
+
+    Never downloads; a model that is not here stops the run with one message saying what to do.
+    """
+    if os.path.isdir(cfg.path):
+        if not os.path.isfile(os.path.join(cfg.path, "config.json")):
+            raise ModelNotAvailableError(f"model.path={cfg.path} is a directory without config.json: "
+                                         "point it at a Hugging Face model directory")
+        return Path(cfg.path)
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(cfg.path, local_files_only=True))
+    except (LocalEntryNotFoundError, FileNotFoundError, OSError) as exc:
+        from huggingface_hub.constants import HF_HUB_CACHE
+
+        raise ModelNotAvailableError(
+            f"model.path={cfg.path} is not in the local Hugging Face cache ({HF_HUB_CACHE}). "
+            f"Make it available with `huggingface-cli download {cfg.path}` on a machine with hub "
+            f"access (then copy the cache or set HF_HOME), or set model.path to a local model "
+            f"directory. Nothing was started."
+        ) from exc
+
+
+def prepare_model_dir(cfg: ModelConfig, output_dir: str | os.PathLike) -> Path:
+    """The directory both trainer and engine load the policy's config and tokenizer from."""
+    if cfg.source == "embedded":
+        return write_embedded_model(cfg, Path(output_dir) / "embedded_model")
+    return resolve_hf_model(cfg)
+
+
+def load_tokenizer(cfg: ModelConfig, model_dir: Path) -> PreTrainedTokenizerBase:
+    tok = AutoTokenizer.from_pretrained(cfg.tokenizer or model_dir,
+                                        trust_remote_code=cfg.trust_remote_code)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_policy(cfg: ModelConfig, model_dir: Path, device: str) -> torch.nn.Module:
+    """The trainer's policy: random init for the embedded model (seeded), pretrained otherwise."""
+    dtype = DTYPES[cfg.dtype]
+    if cfg.source == "embedded":
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(model_dir)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.embedded.init_seed)
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype,
+                                                     trust_remote_code=cfg.trust_remote_code)
+    return model.to(device)
+
+
+def model_summary(model_dir: Path) -> dict:
+    with open(model_dir / "config.json") as f:
+        return json.load(f)

@@ -1,0 +1,224 @@
+"""colo_rl's entry point: `python -m colo_rl.run [overrides]` (Hydra).
+
+`run(cfg)` reads top to bottom: validate -> set up (model, task, trainer, offloader, generator,
+logger) -> train (sample prompts, generate with the sleeping engine, score, GRPO update, log) ->
+report. It works without `@hydra.main` (tests call it through Hydra's compose API).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import signal
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from statistics import mean
+
+import hydra
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from colo_rl.config import RunConfig, register_configs, resolve_device, validate
+from colo_rl.generator import GeneratorError, VLLMGenerator
+from colo_rl.metrics import MetricsLogger, print_summary
+from colo_rl.models import load_policy, load_tokenizer, prepare_model_dir
+from colo_rl.tasks import make_task
+from colo_rl.timing import StepTimer
+from colo_rl.trainer import GRPOTrainer, Offloader, load_checkpoint, save_checkpoint
+
+log = logging.getLogger("colo_rl")
+register_configs()
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM, handled like Ctrl-C: checkpoint, close the engine, exit non-zero."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class InterruptGuard:
+    """Turns SIGINT/SIGTERM into exceptions, deferred while a step's update is applied and
+    logged, so a checkpoint never holds a half-applied optimizer step."""
+
+    def __init__(self) -> None:
+        self.deferring = False
+        self.pending: int | None = None
+
+    def _handler(self, signum, frame):
+        if self.deferring:
+            self.pending = signum
+            return
+        raise Interrupted(signum)
+
+    @contextmanager
+    def installed(self):
+        previous = {s: signal.signal(s, self._handler) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield self
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+    @contextmanager
+    def deferred(self):
+        self.deferring = True
+        try:
+            yield
+        finally:
+            self.deferring = False
+        if self.pending is not None:
+            raise Interrupted(self.pending)
+
+
+def _hydra_run_info() -> tuple[Path | None, str | None, str | None]:
+    """(output dir, W&B group, W&B name) from Hydra when it is running this job."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized():
+        return None, None, None
+    hc = HydraConfig.get()
+    if hc.mode == RunMode.MULTIRUN:
+        return Path(hc.runtime.output_dir), Path(hc.sweep.dir).name, hc.job.override_dirname or None
+    return Path(hc.runtime.output_dir), None, None
+
+
+def encode_prompts(texts: list[str], tokenizer, settings: RunConfig) -> list[list[int]]:
+    template = settings.model.prompt_template
+    if settings.model.use_chat_template:
+        return [tokenizer.apply_chat_template([{"role": "user", "content": template.format(prompt=t)}],
+                                              add_generation_prompt=True, tokenize=True) for t in texts]
+    return [tokenizer(template.format(prompt=t)).input_ids for t in texts]
+
+
+def run(cfg: DictConfig, generator: VLLMGenerator | None = None) -> float:
+    """Train for `trainer.steps` steps; returns the mean reward of the last steps (for sweepers).
+
+    `generator`: an already started engine for the same model (tests share one); by default the
+    run starts and closes its own.
+    """
+    settings = validate(cfg)
+    hydra_dir, group, name = _hydra_run_info()
+    output_dir = Path(settings.output_dir) if settings.output_dir else hydra_dir
+    if output_dir is None:
+        raise ValueError("output_dir is unset and Hydra is not running: pass output_dir=PATH")
+    t, s = settings.trainer, settings.sampling
+
+    # -- setup: everything that can fail on bad input fails here, before any engine starts ---
+    device = resolve_device(t.device)
+    model_dir = prepare_model_dir(settings.model, output_dir)
+    tokenizer = load_tokenizer(settings.model, model_dir)
+    task = make_task(settings.task)
+    rng = random.Random(settings.task.seed)
+    torch.manual_seed(t.seed)
+    policy = load_policy(settings.model, model_dir, device)
+    trainer = GRPOTrainer(policy, t, pad_token_id=tokenizer.pad_token_id,
+                          temperature=s.temperature, max_tokens=s.max_tokens, device=device)
+    offloader = Offloader(policy, trainer.optimizer, t.offload)
+    start_step = 0
+    if t.resume:
+        extra = load_checkpoint(t.resume, trainer)
+        rng.setstate(extra["task_rng"])
+        start_step = extra["step"]
+        log.info("resumed from %s after %d steps", t.resume, start_step)
+    if s.n == 1:
+        log.warning("sampling.n=1: every GRPO advantage is zero, so this run measures generation "
+                    "and switching only; use sampling=default to learn")
+    owns_generator = generator is None
+    generator = generator or VLLMGenerator(
+        settings.generator, model_dir=model_dir, dtype=settings.model.dtype, log_dir=output_dir,
+        seed=t.seed, trust_remote_code=settings.model.trust_remote_code,
+        tokenizer=settings.model.tokenizer)
+    checkpoint_dir = output_dir / "checkpoint"
+    guard = InterruptGuard()
+    logger = MetricsLogger(settings.logger, output_dir=output_dir,
+                           config=OmegaConf.to_container(cfg, resolve=True), group=group, name=name,
+                           total_steps=t.steps, initial_step=start_step)
+
+    # -- train ----------------------------------------------------------------------------
+    # `done` is what a checkpoint holds: steps fully applied and logged, and the task sampler's
+    # state before the next step, so a resumed run draws the same prompts as an uninterrupted one.
+    done = {"step": start_step, "task_rng": rng.getstate()}
+    with guard.installed(), logger:
+        try:
+            for step in range(start_step, t.steps):
+                train_one_step(step, settings, task, rng, tokenizer, trainer, offloader,
+                               generator, logger, guard, done)
+                if t.checkpoint_every and done["step"] % t.checkpoint_every == 0:
+                    save_checkpoint(checkpoint_dir, trainer, done)
+        except KeyboardInterrupt as exc:
+            # The generator has put the engine to sleep and restored the trainer before this.
+            path = save_checkpoint(checkpoint_dir, trainer, done)
+            log.error("interrupted after %d steps (%s); checkpoint written to %s; resume with "
+                      "trainer.resume=%s", done["step"], exc, path, checkpoint_dir)
+            if owns_generator:
+                generator.close()
+            raise SystemExit(128 + getattr(exc, "signum", signal.SIGINT)) from exc
+        except BaseException:
+            if owns_generator and generator.process is not None:
+                generator.process.close()  # the error itself is what the user needs to see
+            raise
+        save_checkpoint(checkpoint_dir, trainer, done)
+        if owns_generator:
+            generator.close()
+
+    # -- report ---------------------------------------------------------------------------
+    print_summary(logger.records, output_dir)
+    tail = logger.records[-max(1, min(5, len(logger.records))):]
+    return mean(r["reward/mean"] for r in tail) if tail else float("nan")
+
+
+def train_one_step(step: int, settings: RunConfig, task, rng: random.Random, tokenizer,
+                   trainer: GRPOTrainer, offloader: Offloader, generator: VLLMGenerator,
+                   logger: MetricsLogger, guard: InterruptGuard, done: dict) -> None:
+    """Sample prompts, generate, score, update, log: one RL step."""
+    s = settings.sampling
+    timer = StepTimer()
+    step_start = time.perf_counter()
+    prompts = task.sample(settings.trainer.prompts_per_step, rng)
+    prompt_ids = encode_prompts([p.text for p in prompts], tokenizer, settings)
+    logger.phase("generate")
+    seed = None if s.seed is None else s.seed + step
+    try:
+        rollouts = generator.generate(prompt_ids, s, model=trainer.model, offloader=offloader, seed=seed)
+    except GeneratorError as exc:
+        if not settings.generator.restart_on_failure:
+            raise
+        log.error("step %d: %s; generator.restart_on_failure=true: starting a fresh engine", step, exc)
+        rollouts = generator.generate(prompt_ids, s, model=trainer.model, offloader=offloader, seed=seed)
+        rollouts.metrics["generator/restarts"] = 1.0
+    logger.phase("train")
+    with timer.phase("score"):
+        rewards = [task.score(prompts[i // s.n], text) for i, text in enumerate(rollouts.texts)]
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    with guard.deferred():  # an interrupt waits until this step is applied and logged
+        with timer.phase("train"):
+            train_metrics = trainer.train_step(prompt_ids, rollouts.completion_ids, rewards, s.n,
+                                               engine_logprobs=rollouts.logprobs)
+        metrics = {**rollouts.metrics, **timer.metrics, **train_metrics}
+        if torch.cuda.is_available():
+            metrics["memory/trainer_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        step_s = time.perf_counter() - step_start
+        busy = metrics.get("timing/generate_s", 0.0) + metrics["timing/train_s"]
+        metrics.update({
+            "timing/step_s": step_s,
+            "timing/switch_overhead_frac": max(0.0, step_s - busy) / step_s,
+            "reward/mean": mean(rewards),
+            "reward/max": max(rewards),
+            "reward/min": min(rewards),
+        })
+        logger.log(step, metrics)
+        done.update(step=step + 1, task_rng=rng.getstate())
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="run")
+def main(cfg: DictConfig) -> float:
+    return run(cfg)
+
+
+if __name__ == "__main__":
+    main()

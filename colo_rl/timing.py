@@ -1,0 +1,49 @@
+"""Per-phase wall-clock timing and GPU memory snapshots for one step."""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+
+import torch
+
+GIB = 2**30
+
+
+def _sync() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def gpu_free_gib() -> float | None:
+    """Free memory on this process's GPU as the driver sees it (other processes included)."""
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return None
+    free, _ = torch.cuda.mem_get_info()
+    return free / GIB
+
+
+class StepTimer:
+    """Collects `timing/<phase>_s` and `memory/free_after_<event>_gib` for one step."""
+
+    def __init__(self) -> None:
+        self.metrics: dict[str, float] = {}
+        self.current: str | None = None
+
+    @contextmanager
+    def phase(self, name: str):
+        self.current = name
+        _sync()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            _sync()
+            key = f"timing/{name}_s"
+            self.metrics[key] = self.metrics.get(key, 0.0) + time.perf_counter() - start
+            self.current = None
+
+    def memory(self, event: str) -> None:
+        free = gpu_free_gib()
+        if free is not None:
+            self.metrics[f"memory/free_after_{event}_gib"] = free

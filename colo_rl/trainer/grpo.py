@@ -1,0 +1,293 @@
+"""GRPO: group-relative advantages, the clipped token-level loss, and the trainer that applies it.
+
+The trainer sees only token ids and rewards; the engine that sampled them lives in another
+process. Log-probs are taken at the engine's sampling temperature so that the ratio
+exp(logp - old) and the engine-vs-trainer log-prob gap compare like with like.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from colo_rl.config import TrainerConfig
+
+LOSS_AGGS = ("token", "sequence", "constant")
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, norm: str, eps: float = 1e-6) -> torch.Tensor:
+    """Each completion's reward relative to its prompt's group: the GRPO advantage.
+
+    rewards: (num_prompts * group_size,), each prompt's group consecutive. norm 'mean' gives
+    r - group mean (Dr. GRPO); 'std' gives (r - mean) / (std + eps) (GRPO) with the population
+    std (unbiased=False), so a group of identical rewards gets advantage 0, never NaN.
+    """
+    if rewards.dim() != 1 or group_size < 1 or rewards.numel() % group_size:
+        raise ValueError(f"rewards of shape {tuple(rewards.shape)} cannot be split into groups of "
+                         f"group_size={group_size}: pass a 1-D tensor of num_prompts * group_size rewards")
+    groups = rewards.reshape(-1, group_size)
+    centred = groups - groups.mean(dim=1, keepdim=True)
+    if norm == "mean":
+        return centred.reshape(-1)
+    if norm == "std":
+        return (centred / (groups.std(dim=1, unbiased=False, keepdim=True) + eps)).reshape(-1)
+    raise ValueError(f"advantage norm={norm!r} must be 'mean' or 'std' (trainer.advantage_norm)")
+
+
+def loss_normalizer(lengths: torch.Tensor, loss_agg: str, max_tokens: int) -> float:
+    """The denominator of the aggregated loss for sequences of these response lengths.
+
+    'token': the number of response tokens; 'sequence': the number of non-empty sequences (an
+    empty one has no token mean to average); 'constant': sequences x max_tokens (Dr. GRPO). At
+    least 1, so a batch of empty completions gives loss 0, not NaN.
+    """
+    if loss_agg == "token":
+        return max(float(lengths.sum()), 1.0)
+    if loss_agg == "sequence":
+        return max(float((lengths > 0).sum()), 1.0)
+    if loss_agg == "constant":
+        return float(lengths.numel() * max_tokens)
+    raise ValueError(f"loss_agg={loss_agg!r} must be one of {', '.join(LOSS_AGGS)} (trainer.loss_agg)")
+
+
+def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+              mask: torch.Tensor, *, clip_eps: float, loss_agg: str, max_tokens: int,
+              ref_logprobs: Optional[torch.Tensor] = None, kl_coef: float = 0.0,
+              normalizer: Optional[float] = None) -> tuple[torch.Tensor, dict]:
+    """The token-level clipped policy-gradient loss, with an optional k3 KL penalty to a reference.
+
+    logprobs, old_logprobs, ref_logprobs, mask: (B, T) over response tokens, mask 1 for real
+    tokens; advantages: (B,). The PPO ratio is exp(logprobs - old_logprobs); the KL per token is
+    exp(ref - logp) - (ref - logp) - 1. loss_agg: 'token' (sum over masked tokens / their number),
+    'sequence' (each sequence's token mean, then the mean over non-empty sequences) or 'constant'
+    (sum / (B * max_tokens), Dr. GRPO). `normalizer` overrides the denominator: the trainer passes
+    the full batch's so that micro-batch losses add up to the full-batch loss.
+    Returns (loss, stats) with stats clip_frac and kl (means over masked tokens) and tokens.
+    """
+    if not logprobs.shape == old_logprobs.shape == mask.shape or advantages.shape != logprobs.shape[:1]:
+        raise ValueError(f"grpo_loss needs logprobs, old_logprobs, mask of one (B, T) shape and advantages "
+                         f"of (B,); got {tuple(logprobs.shape)}, {tuple(old_logprobs.shape)}, "
+                         f"{tuple(mask.shape)}, {tuple(advantages.shape)}")
+    if kl_coef > 0 and ref_logprobs is None:
+        raise ValueError(f"kl_coef={kl_coef} needs ref_logprobs: pass the reference policy's log-probs")
+    mask = mask.to(logprobs.dtype)
+    ratio = torch.exp(logprobs - old_logprobs)
+    adv = advantages.to(logprobs.dtype).unsqueeze(1)
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1 - clip_eps, 1 + clip_eps)
+    per_token = torch.maximum(unclipped, clipped)
+    kl = torch.zeros_like(per_token)
+    if ref_logprobs is not None:
+        delta = ref_logprobs - logprobs
+        kl = torch.exp(delta) - delta - 1
+        if kl_coef > 0:
+            per_token = per_token + kl_coef * kl
+    lengths = mask.sum(dim=1)
+    if normalizer is None:
+        normalizer = loss_normalizer(lengths, loss_agg, max_tokens)
+    sums = (per_token * mask).sum(dim=1)
+    if loss_agg == "sequence":
+        sums = sums / lengths.clamp(min=1)
+    loss = sums.sum() / normalizer
+    with torch.no_grad():
+        tokens = float(lengths.sum())
+        denominator = max(tokens, 1.0)
+        stats = {"clip_frac": float(((clipped > unclipped) * mask).sum()) / denominator,
+                 "kl": float((kl * mask).sum()) / denominator, "tokens": tokens}
+    return loss, stats
+
+
+@dataclass
+class _MicroBatch:
+    """Right-padded prompt+completion sequences and where their response tokens sit."""
+
+    input_ids: torch.Tensor  # (b, L)
+    attention_mask: torch.Tensor  # (b, L)
+    positions: torch.Tensor  # (b, T): index in input_ids of each response token
+    mask: torch.Tensor  # (b, T): 1.0 for real response tokens
+    advantages: torch.Tensor  # (b,)
+    engine_logprobs: Optional[torch.Tensor]  # (b, T), or None when the engine sent none
+
+
+def _pack(prompts: list[list[int]], completions: list[list[int]], advantages: torch.Tensor,
+          engine: Optional[list[list[float]]], pad_token_id: int, device: torch.device) -> _MicroBatch:
+    length = max(len(p) + len(c) for p, c in zip(prompts, completions))
+    width = max(1, max(len(c) for c in completions))  # one column even when every completion is empty
+    b = len(prompts)
+    input_ids = torch.full((b, length), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((b, length), dtype=torch.long)
+    positions = torch.zeros((b, width), dtype=torch.long)
+    mask = torch.zeros((b, width))
+    engine_logprobs = torch.zeros((b, width)) if engine is not None else None
+    for i, (p, c) in enumerate(zip(prompts, completions)):
+        n = len(p) + len(c)
+        input_ids[i, :n] = torch.tensor(p + c, dtype=torch.long)
+        attention_mask[i, :n] = 1
+        positions[i, :len(c)] = torch.arange(len(p), n)
+        mask[i, :len(c)] = 1.0
+        if engine is not None:
+            engine_logprobs[i, :len(c)] = torch.tensor(engine[i], dtype=torch.float32)
+    return _MicroBatch(input_ids.to(device), attention_mask.to(device), positions.to(device),
+                       mask.to(device), advantages.to(device),
+                       engine_logprobs.to(device) if engine_logprobs is not None else None)
+
+
+def _check_batch(prompt_ids: list[list[int]], completion_ids: list[list[int]], rewards: list[float],
+                 group_size: int, engine_logprobs: Optional[list[list[float]]]) -> None:
+    if group_size < 1 or len(completion_ids) != len(prompt_ids) * group_size:
+        raise ValueError(f"got {len(completion_ids)} completions for {len(prompt_ids)} prompts with "
+                         f"group_size={group_size}: pass num_prompts * group_size completions, each "
+                         "prompt's group consecutive")
+    if len(rewards) != len(completion_ids):
+        raise ValueError(f"got {len(rewards)} rewards for {len(completion_ids)} completions: pass one each")
+    if not prompt_ids:
+        raise ValueError("train_step needs at least one prompt")
+    if any(len(p) == 0 for p in prompt_ids):
+        raise ValueError("every prompt needs at least one token (it predicts the first completion token)")
+    if engine_logprobs is not None:
+        if len(engine_logprobs) != len(completion_ids):
+            raise ValueError(f"got {len(engine_logprobs)} engine_logprobs lists for "
+                             f"{len(completion_ids)} completions: pass one each")
+        for i, (lp, c) in enumerate(zip(engine_logprobs, completion_ids)):
+            if len(lp) != len(c):
+                raise ValueError(f"engine_logprobs[{i}] has {len(lp)} values for {len(c)} completion "
+                                 "tokens: pass one log-prob per sampled token")
+
+
+class GRPOTrainer:
+    """Owns the policy's optimiser (and the frozen reference when KL is on) and runs GRPO steps."""
+
+    def __init__(self, model: torch.nn.Module, cfg: TrainerConfig, *, pad_token_id: int,
+                 temperature: float, max_tokens: int, device: str):
+        self.model = model  # already on `device`
+        self.cfg = cfg
+        self.pad_token_id = pad_token_id
+        self.temperature = temperature
+        self.max_tokens = max_tokens
+        self.device = torch.device(device)
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas),
+                                           weight_decay=cfg.weight_decay)
+        self.reference = _frozen_copy(model) if cfg.kl_coef > 0 else None
+        self.autocast = cfg.bf16_autocast and self.device.type == "cuda"
+        self.step_count = 0
+
+    def train_step(self, prompt_ids: list[list[int]], completion_ids: list[list[int]],
+                   rewards: list[float], group_size: int,
+                   engine_logprobs: Optional[list[list[float]]] = None) -> dict[str, float]:
+        """One GRPO step on a batch of groups; returns its train/* metrics.
+
+        prompt_ids has one entry per prompt; completion_ids num_prompts * group_size entries,
+        prompt i's group at [i*G:(i+1)*G]. Runs cfg.updates_per_batch optimizer steps, each
+        accumulating micro-batches of cfg.micro_batch_size sequences into the full-batch gradient.
+        """
+        _check_batch(prompt_ids, completion_ids, rewards, group_size, engine_logprobs)
+        advantages = group_advantages(torch.tensor(rewards, dtype=torch.float32), group_size,
+                                      self.cfg.advantage_norm)
+        micro = self._micro_batches([p for p in prompt_ids for _ in range(group_size)],
+                                    completion_ids, advantages, engine_logprobs)
+        lengths = torch.tensor([len(c) for c in completion_ids])
+        normalizer = loss_normalizer(lengths, self.cfg.loss_agg, self.max_tokens)
+        ref = [self._reference_logprobs(mb) for mb in micro]
+        old = None
+        totals = {"loss": 0.0, "grad_norm": 0.0, "clip_frac": 0.0, "kl": 0.0}
+        for _ in range(self.cfg.updates_per_batch):
+            stats, logprobs_before = self._update(micro, old, ref, normalizer)
+            if old is None:  # the first update's forward saw the policy before any step
+                old = logprobs_before
+            for key in totals:
+                totals[key] += stats[key] / self.cfg.updates_per_batch
+        self.step_count += 1
+        metrics = {f"train/{key}": value for key, value in totals.items()}
+        metrics["train/response_tokens"] = float(lengths.sum())
+        metrics["train/advantage_abs_mean"] = float(advantages.abs().mean())
+        if engine_logprobs is not None:
+            metrics["train/engine_logprob_gap"] = _logprob_gap(micro, old)
+        return metrics
+
+    def _micro_batches(self, prompts, completions, advantages, engine) -> list[_MicroBatch]:
+        size = self.cfg.micro_batch_size
+        return [_pack(prompts[i:i + size], completions[i:i + size], advantages[i:i + size],
+                      engine[i:i + size] if engine is not None else None, self.pad_token_id, self.device)
+                for i in range(0, len(completions), size)]
+
+    def _update(self, micro: list[_MicroBatch], old: Optional[list[torch.Tensor]],
+                ref: list[Optional[torch.Tensor]], normalizer: float) -> tuple[dict, list[torch.Tensor]]:
+        """One optimizer step over all micro-batches; returns its stats and the pre-step log-probs."""
+        loss_sum, clip_sum, kl_sum, tokens = 0.0, 0.0, 0.0, 0.0
+        logprobs_before = []
+        for i, mb in enumerate(micro):
+            logprobs = self._token_logprobs(self.model, mb)
+            logprobs_before.append(logprobs.detach())
+            loss, stats = grpo_loss(logprobs, logprobs_before[i] if old is None else old[i],
+                                    mb.advantages, mb.mask,
+                                    clip_eps=self.cfg.clip_eps, loss_agg=self.cfg.loss_agg,
+                                    max_tokens=self.max_tokens, ref_logprobs=ref[i],
+                                    kl_coef=self.cfg.kl_coef, normalizer=normalizer)
+            loss.backward()
+            loss_sum += float(loss.detach())
+            clip_sum += stats["clip_frac"] * stats["tokens"]
+            kl_sum += stats["kl"] * stats["tokens"]
+            tokens += stats["tokens"]
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
+        self.optimizer.step()
+        # The gradients are dead after the step; freeing them leaves a params-sized block more
+        # for the engine while it is awake.
+        self.optimizer.zero_grad(set_to_none=True)
+        tokens = max(tokens, 1.0)
+        return ({"loss": loss_sum, "grad_norm": float(grad_norm), "clip_frac": clip_sum / tokens,
+                 "kl": kl_sum / tokens}, logprobs_before)
+
+    def _token_logprobs(self, model: torch.nn.Module, mb: _MicroBatch) -> torch.Tensor:
+        """(b, T) log-probs of the response tokens, at the sampling temperature."""
+        with torch.autocast(device_type=self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+            logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
+        # The logits at position t predict token t + 1.
+        index = (mb.positions - 1).clamp(min=0).unsqueeze(-1).expand(-1, -1, logits.size(-1))
+        picked = logits.gather(1, index).float()
+        if self.temperature > 0:
+            picked = picked / self.temperature
+        targets = mb.input_ids.gather(1, mb.positions).unsqueeze(-1)
+        return picked.log_softmax(dim=-1).gather(-1, targets).squeeze(-1)
+
+    def _reference_logprobs(self, mb: _MicroBatch) -> Optional[torch.Tensor]:
+        if self.reference is None:
+            return None
+        with torch.no_grad():
+            return self._token_logprobs(self.reference, mb)
+
+    def state_dict(self) -> dict:
+        """Everything needed to resume: model, optimizer, step count and the reference if any."""
+        state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                 "step_count": self.step_count}
+        if self.reference is not None:
+            state["reference"] = self.reference.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        if ("reference" in state) != (self.reference is not None):
+            raise ValueError(f"the checkpoint {'has' if 'reference' in state else 'has no'} reference "
+                             f"model but trainer.kl_coef={self.cfg.kl_coef}: resume with the kl_coef "
+                             "the checkpoint was trained with")
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.reference is not None:
+            self.reference.load_state_dict(state["reference"])
+        self.step_count = int(state["step_count"])
+
+
+def _frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
+    reference = copy.deepcopy(model).eval()
+    reference.requires_grad_(False)
+    return reference
+
+
+def _logprob_gap(micro: list[_MicroBatch], trainer_logprobs: list[torch.Tensor]) -> float:
+    """Mean |engine - trainer| log-prob over sampled tokens: near 0 when the weight sync is right."""
+    total, tokens = 0.0, 0.0
+    for mb, logprobs in zip(micro, trainer_logprobs):
+        total += float(((mb.engine_logprobs - logprobs).abs() * mb.mask).sum())
+        tokens += float(mb.mask.sum())
+    return total / max(tokens, 1.0)

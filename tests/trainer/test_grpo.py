@@ -1,0 +1,222 @@
+"""GRPO maths against hand-computed values, and the trainer on the real embedded OLMo-2 policy."""
+
+import math
+
+import pytest
+import torch
+
+from colo_rl.config import ModelConfig, TrainerConfig
+from colo_rl.models import load_policy, write_embedded_model
+from colo_rl.trainer import GRPOTrainer, group_advantages, grpo_loss
+
+PROMPTS = [[5, 6, 7], [8, 9]]
+GROUP = 3
+# Different lengths, an empty completion and a group of identical rewards' worth of spread, so
+# that masking and normalisation mistakes change the result.
+COMPLETIONS = [[10, 11, 2], [12], [], [13, 14, 15, 16], [17, 2], [18, 19]]
+REWARDS = [1.0, 0.0, 0.5, 0.0, 1.0, 0.3]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_embedded_model(ModelConfig(), tmp_path_factory.mktemp("policy"))
+
+
+def make_trainer(model_dir, temperature=1.0, **overrides) -> GRPOTrainer:
+    model = load_policy(ModelConfig(), model_dir, "cpu")
+    return GRPOTrainer(model, TrainerConfig(**overrides), pad_token_id=0, temperature=temperature,
+                       max_tokens=8, device="cpu")
+
+
+def params(trainer) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+
+
+def test_group_advantages_mean_and_std_match_hand_computed_values():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 5.0])
+    # Group means 0.5 and 2.75; population stds 0.5 and sqrt(1.6875) = 0.75 * sqrt(3).
+    mean = group_advantages(rewards, 4, "mean")
+    torch.testing.assert_close(mean, torch.tensor([0.5, -0.5, -0.5, 0.5, -0.75, -0.75, -0.75, 2.25]))
+    std = group_advantages(rewards, 4, "std", eps=0.0)
+    s3 = math.sqrt(3)
+    torch.testing.assert_close(std, torch.tensor([1.0, -1.0, -1.0, 1.0, -1 / s3, -1 / s3, -1 / s3, s3]))
+
+
+def test_group_advantages_of_identical_rewards_are_zero_and_bad_shapes_are_refused():
+    assert torch.equal(group_advantages(torch.ones(4), 2, "std"), torch.zeros(4))
+    with pytest.raises(ValueError, match="group_size=3"):
+        group_advantages(torch.ones(4), 3, "mean")
+    with pytest.raises(ValueError, match="trainer.advantage_norm"):
+        group_advantages(torch.ones(4), 2, "median")
+
+
+def _loss_batch():
+    """Ratios chosen so two tokens fall outside [0.8, 1.2] on the side where clipping binds."""
+    ratios = torch.tensor([[1.5, 0.9, 1.0], [0.5, 1.1, 1.0]])
+    old = torch.full((2, 3), -1.0)
+    logprobs = (old + ratios.log()).requires_grad_(True)
+    advantages = torch.tensor([1.0, -2.0])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    return logprobs, old, advantages, mask
+
+
+# Per-token loss max(-A r, -A clip(r)): row 0 (A=1): -1.2 (clipped), -0.9, -1.0; row 1 (A=-2):
+# 1.6 (clipped), 2.2, masked. Sum 0.7 over 5 tokens.
+@pytest.mark.parametrize("loss_agg, expected", [
+    ("token", 0.7 / 5),
+    ("sequence", (-3.1 / 3 + 3.8 / 2) / 2),
+    ("constant", 0.7 / (2 * 4)),
+])
+def test_grpo_loss_matches_hand_computed_value(loss_agg, expected):
+    logprobs, old, advantages, mask = _loss_batch()
+    loss, stats = grpo_loss(logprobs, old, advantages, mask, clip_eps=0.2, loss_agg=loss_agg, max_tokens=4)
+    assert loss.item() == pytest.approx(expected, rel=1e-6)
+    assert stats["clip_frac"] == pytest.approx(2 / 5)
+    assert stats["kl"] == 0.0 and stats["tokens"] == 5.0
+
+
+def test_grpo_loss_gradient_is_zero_on_clipped_and_masked_tokens():
+    logprobs, old, advantages, mask = _loss_batch()
+    loss, _ = grpo_loss(logprobs, old, advantages, mask, clip_eps=0.2, loss_agg="token", max_tokens=4)
+    loss.backward()
+    # d/dlogp of -A * r is -A * r; divided by the 5 tokens.
+    expected = torch.tensor([[0.0, -0.9, -1.0], [0.0, 2.2, 0.0]]) / 5
+    torch.testing.assert_close(logprobs.grad, expected)
+
+
+def test_grpo_loss_adds_the_k3_kl_penalty():
+    logprobs, old, advantages, mask = _loss_batch()
+    delta = torch.tensor([[0.5, 0.0, -0.5], [1.0, 0.2, 3.0]])  # ref - logp; the 3.0 is masked out
+    kl = [math.exp(d) - d - 1 for d in (0.5, 0.0, -0.5, 1.0, 0.2)]
+    loss, stats = grpo_loss(logprobs, old, advantages, mask, clip_eps=0.2, loss_agg="token",
+                            max_tokens=4, ref_logprobs=logprobs.detach() + delta, kl_coef=0.1)
+    assert loss.item() == pytest.approx((0.7 + 0.1 * sum(kl)) / 5, rel=1e-6)
+    assert stats["kl"] == pytest.approx(sum(kl) / 5, rel=1e-6)
+
+
+@pytest.mark.parametrize("loss_agg", ["token", "sequence", "constant"])
+def test_micro_batches_accumulate_to_the_full_batch_gradient(model_dir, loss_agg):
+    """Plain SGD at lr=1 (no clipping) makes each parameter's change equal to minus its gradient."""
+    deltas = []
+    for micro_batch_size in (1, len(COMPLETIONS)):
+        trainer = make_trainer(model_dir, micro_batch_size=micro_batch_size, loss_agg=loss_agg,
+                               max_grad_norm=1e9)
+        trainer.optimizer = torch.optim.SGD(trainer.model.parameters(), lr=1.0)
+        before = params(trainer)
+        trainer.train_step(PROMPTS, COMPLETIONS, REWARDS, GROUP)
+        deltas.append({n: p.detach() - before[n] for n, p in trainer.model.named_parameters()})
+    small, full = deltas
+    assert sum(d.abs().sum() for d in full.values()) > 0
+    for name in full:
+        torch.testing.assert_close(small[name], full[name], rtol=1e-4, atol=1e-6)
+
+
+def test_identical_steps_from_identical_state_give_bit_identical_parameters(model_dir):
+    a, b = make_trainer(model_dir, micro_batch_size=4), make_trainer(model_dir, micro_batch_size=4)
+    for trainer in (a, b):
+        for _ in range(2):
+            trainer.train_step(PROMPTS, COMPLETIONS, REWARDS, GROUP)
+    pa, pb = params(a), params(b)
+    assert all(torch.equal(pa[n], pb[n]) for n in pa)
+    assert a.step_count == b.step_count == 2
+
+
+def test_metrics_and_empty_completions(model_dir):
+    trainer = make_trainer(model_dir)
+    metrics = trainer.train_step(PROMPTS, COMPLETIONS, REWARDS, GROUP)
+    assert set(metrics) == {"train/loss", "train/grad_norm", "train/clip_frac", "train/kl",
+                            "train/response_tokens", "train/advantage_abs_mean"}
+    assert metrics["train/response_tokens"] == 12.0
+    assert metrics["train/grad_norm"] > 0 and metrics["train/kl"] == 0.0
+    empty = trainer.train_step(PROMPTS, [[]] * 6, REWARDS, GROUP)
+    assert empty["train/loss"] == 0.0 and empty["train/response_tokens"] == 0.0
+    assert all(math.isfinite(v) for v in empty.values())
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+
+
+def test_train_step_refuses_mismatched_batches(model_dir):
+    trainer = make_trainer(model_dir)
+    with pytest.raises(ValueError, match="6 completions for 2 prompts with group_size=2"):
+        trainer.train_step(PROMPTS, COMPLETIONS, REWARDS, 2)
+    with pytest.raises(ValueError, match=r"engine_logprobs\[0\] has 1 values for 3"):
+        trainer.train_step(PROMPTS, COMPLETIONS, REWARDS, GROUP, engine_logprobs=[[0.0]] * 6)
+    assert trainer.step_count == 0
+
+
+def _reference_logprobs(model, temperature):
+    """Each completion's log-probs from its own unpadded forward pass, at the temperature."""
+    result = []
+    with torch.no_grad():
+        for i, completion in enumerate(COMPLETIONS):
+            prompt = PROMPTS[i // GROUP]
+            logits = model(input_ids=torch.tensor([prompt + completion])).logits[0]
+            steps = logits[len(prompt) - 1:len(prompt) + len(completion) - 1] / temperature
+            lp = steps.log_softmax(-1).gather(-1, torch.tensor(completion, dtype=torch.long)[:, None])
+            result.append(lp.squeeze(-1).tolist())
+    return result
+
+
+@pytest.mark.parametrize("perturbation", [0.0, 0.25])
+def test_engine_logprob_gap_measures_the_difference_before_the_update(model_dir, perturbation):
+    """lr=0.05 moves the policy enough that a gap measured after the update would not be ~0."""
+    trainer = make_trainer(model_dir, temperature=0.7, lr=0.05, micro_batch_size=4)
+    engine = [[lp + perturbation for lp in row] for row in _reference_logprobs(trainer.model, 0.7)]
+    metrics = trainer.train_step(PROMPTS, COMPLETIONS, REWARDS, GROUP, engine_logprobs=engine)
+    assert metrics["train/engine_logprob_gap"] == pytest.approx(perturbation, abs=1e-5)
+    after = trainer.train_step(PROMPTS, COMPLETIONS, REWARDS, GROUP, engine_logprobs=engine)
+    assert abs(after["train/engine_logprob_gap"] - perturbation) > 1e-3
+
+
+def test_several_updates_per_batch_clip_and_kl_tracks_the_reference(model_dir):
+    trainer = make_trainer(model_dir, lr=0.05, updates_per_batch=4, clip_eps=0.05, kl_coef=0.1)
+    reference = {n: p.clone() for n, p in trainer.reference.named_parameters()}
+    first = trainer.train_step(PROMPTS, COMPLETIONS, REWARDS, GROUP)
+    second = trainer.train_step(PROMPTS, COMPLETIONS, REWARDS, GROUP)
+    assert first["train/clip_frac"] > 0  # updates 2-4 reuse the batch with a moved policy
+    assert second["train/kl"] > 0
+    assert all(torch.equal(p, reference[n]) for n, p in trainer.reference.named_parameters())
+    single = make_trainer(model_dir).train_step(PROMPTS, COMPLETIONS, REWARDS, GROUP)
+    assert single["train/clip_frac"] == 0.0  # one update: the ratio is exactly 1
+
+
+TARGET = 20
+
+
+def _sample(model, prompts, group, length, generator):
+    """On-policy rollouts of equal-length prompts by plain multinomial sampling."""
+    seqs = torch.tensor([p for p in prompts for _ in range(group)])
+    with torch.no_grad():
+        for _ in range(length):
+            probs = model(input_ids=seqs).logits[:, -1].softmax(-1)
+            seqs = torch.cat([seqs, torch.multinomial(probs, 1, generator=generator)], dim=1)
+    return seqs[:, len(prompts[0]):].tolist()
+
+
+def _target_prob(model, prompts):
+    with torch.no_grad():
+        return model(input_ids=torch.tensor(prompts)).logits[:, -1].softmax(-1)[:, TARGET].mean().item()
+
+
+def test_rewarding_one_token_raises_its_probability(model_dir):
+    trainer = make_trainer(model_dir, lr=0.01)
+    prompts = [[5, 6, 7], [8, 9, 10], [11, 12, 13], [14, 15, 16]]
+    generator = torch.Generator().manual_seed(0)
+    before = _target_prob(trainer.model, prompts)
+    for _ in range(8):
+        completions = _sample(trainer.model, prompts, 8, 3, generator)
+        rewards = [c.count(TARGET) / 3 for c in completions]
+        trainer.train_step(prompts, completions, rewards, 8)
+    assert _target_prob(trainer.model, prompts) > 3 * before
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_train_step_on_cuda_with_bf16_autocast(model_dir):
+    model = load_policy(ModelConfig(), model_dir, "cuda")
+    trainer = GRPOTrainer(model, TrainerConfig(bf16_autocast=True, micro_batch_size=4), pad_token_id=0,
+                          temperature=1.0, max_tokens=8, device="cuda")
+    assert trainer.autocast
+    before = params(trainer)
+    metrics = trainer.train_step(PROMPTS, COMPLETIONS, REWARDS, GROUP)
+    assert all(math.isfinite(v) for v in metrics.values())
+    assert any(not torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())

@@ -1,0 +1,162 @@
+"""The Offloader on a real trainer's state. On this CPU machine the "device" tensors are CPU
+tensors too: the offloader still moves them into separate host buffers and drops the originals,
+so everything but pinning and asynchrony is exercised here (the GPU test covers those)."""
+
+import pytest
+import torch
+
+from colo_rl.config import ModelConfig, TrainerConfig
+from colo_rl.models import load_policy, write_embedded_model
+from colo_rl.trainer import GRPOTrainer, Offloader
+
+PROMPTS = [[5, 6, 7], [8, 9]]
+COMPLETIONS = [[10, 11, 2], [12], [13, 14, 15, 16], [17, 2]]
+REWARDS = [1.0, 0.0, 0.0, 1.0]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_embedded_model(ModelConfig(), tmp_path_factory.mktemp("policy"))
+
+
+def stepped_trainer(model_dir, device="cpu") -> GRPOTrainer:
+    """A trainer after one step, so that the optimizer has state to move."""
+    model = load_policy(ModelConfig(), model_dir, device)
+    trainer = GRPOTrainer(model, TrainerConfig(), pad_token_id=0, temperature=1.0, max_tokens=8, device=device)
+    trainer.train_step(PROMPTS, COMPLETIONS, REWARDS, 2)
+    return trainer
+
+
+def state_tensors(trainer) -> dict[str, torch.Tensor]:
+    """Every tensor the offloader may move, by name: parameters, buffers, optimizer state."""
+    names = {id(p): n for n, p in trainer.model.named_parameters()}
+    tensors = {f"param:{n}": p for n, p in trainer.model.named_parameters()}
+    tensors.update({f"buffer:{n}": b for n, b in trainer.model.named_buffers()})
+    for p, state in trainer.optimizer.state.items():
+        tensors.update({f"state:{names[id(p)]}:{k}": v for k, v in state.items()})
+    return tensors
+
+
+def snapshot(trainer) -> dict[str, tuple[int, torch.Tensor]]:
+    return {k: (t.data_ptr(), t.detach().clone()) for k, t in state_tensors(trainer).items()}
+
+
+def assert_same_values(trainer, before):
+    for key, tensor in state_tensors(trainer).items():
+        assert torch.equal(tensor, before[key][1]), key
+
+
+def test_a_step_after_offload_and_restore_is_bit_identical_to_one_without(model_dir):
+    moved, kept = stepped_trainer(model_dir), stepped_trainer(model_dir)
+    offloader = Offloader(moved.model, moved.optimizer, "all")
+    offloader.offload(("optimizer",))
+    offloader.offload(("params",))
+    offloader.restore()
+    for trainer in (moved, kept):
+        trainer.train_step(PROMPTS, COMPLETIONS, [0.0, 1.0, 1.0, 0.0], 2)
+    a, b = state_tensors(moved), state_tensors(kept)
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+def test_identity_and_keys_survive_and_host_buffers_are_reused(model_dir):
+    trainer = stepped_trainer(model_dir)
+    ids = [id(p) for p in trainer.model.parameters()]
+    keys = {id(p): set(s) for p, s in trainer.optimizer.state.items()}
+    step_tensors = [s["step"] for s in trainer.optimizer.state.values()]
+    before = snapshot(trainer)
+    offloader = Offloader(trainer.model, trainer.optimizer, "all")
+
+    hosts = []
+    for _ in range(2):
+        result = offloader.offload()
+        assert offloader.offloaded == {"optimizer", "params"} and result["bytes"] > 0
+        on_host = {k: t.data_ptr() for k, t in state_tensors(trainer).items()}
+        for key, ptr in on_host.items():
+            assert ptr != before[key][0], f"{key} still on its original storage"
+            assert ptr == offloader._host[key].data_ptr(), f"{key} is not in its host buffer"
+        hosts.append(on_host)
+        assert offloader.restore()["bytes"] == result["bytes"]
+        assert offloader.offloaded == set()
+        assert_same_values(trainer, before)
+
+    assert hosts[0] == hosts[1]  # the second cycle allocated no new host buffer
+    assert [id(p) for p in trainer.model.parameters()] == ids
+    assert [id(p) for p in trainer.optimizer.param_groups[0]["params"]] == ids
+    assert {id(p): set(s) for p, s in trainer.optimizer.state.items()} == keys
+    assert all(s["step"] is t for s, t in zip(trainer.optimizer.state.values(), step_tensors))
+    assert all(int(t) == 1 for t in step_tensors)
+
+
+def test_policy_optimizer_leaves_the_weights_and_none_moves_nothing(model_dir):
+    trainer = stepped_trainer(model_dir)
+    before = snapshot(trainer)
+    Offloader(trainer.model, trainer.optimizer, "optimizer").offload()
+    for key, tensor in state_tensors(trainer).items():
+        moved = tensor.data_ptr() != before[key][0]
+        assert moved == key.startswith("state:"), key
+
+    trainer = stepped_trainer(model_dir)
+    before = snapshot(trainer)
+    offloader = Offloader(trainer.model, trainer.optimizer, "none")
+    assert offloader.offload()["bytes"] == 0.0 and offloader.offloaded == set()
+    assert all(t.data_ptr() == before[k][0] for k, t in state_tensors(trainer).items())
+    with pytest.raises(ValueError, match="trainer.offload"):
+        Offloader(trainer.model, trainer.optimizer, "weights")
+
+
+def test_a_failure_half_way_puts_back_what_was_moved(model_dir):
+    trainer = stepped_trainer(model_dir)
+    offloader = Offloader(trainer.model, trainer.optimizer, "all")
+    offloader.offload()
+    offloader.restore()
+    before = snapshot(trainer)
+    # The optimizer part goes first and the last parameter late, so most tensors have moved
+    # by the time its wrongly shaped buffer refuses the copy.
+    last = f"param:{list(dict(trainer.model.named_parameters()))[-1]}"
+    offloader._host[last] = torch.empty(1)
+    with pytest.raises(RuntimeError, match=f"host buffer for {last} is"):
+        offloader.offload()
+    assert offloader.offloaded == set()
+    for key, tensor in state_tensors(trainer).items():
+        assert tensor.data_ptr() == before[key][0], f"{key} was not put back"
+    assert_same_values(trainer, before)
+
+
+def test_gradients_move_with_the_optimizer_part():
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(5, 4)).square().sum().backward()
+    grads = {n: (p.grad.data_ptr(), p.grad.clone()) for n, p in model.named_parameters()}
+    offloader = Offloader(model, optimizer, "optimizer")
+    assert offloader.offload()["bytes"] == sum(g.nbytes for _, g in grads.values())
+    assert all(p.grad.data_ptr() != grads[n][0] for n, p in model.named_parameters())
+    offloader.restore()
+    assert all(torch.equal(p.grad, grads[n][1]) for n, p in model.named_parameters())
+
+
+def test_restoring_what_was_not_offloaded_is_a_no_op(model_dir):
+    trainer = stepped_trainer(model_dir)
+    before = snapshot(trainer)
+    assert Offloader(trainer.model, trainer.optimizer, "all").restore()["bytes"] == 0.0
+    assert all(t.data_ptr() == before[k][0] for k, t in state_tensors(trainer).items())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_cuda_buffers_are_pinned_memory_is_freed_and_cpu_step_stays(model_dir):
+    trainer = stepped_trainer(model_dir, "cuda")
+    before = snapshot(trainer)
+    offloader = Offloader(trainer.model, trainer.optimizer, "all")
+    result = offloader.offload()
+    assert result["freed_gib"] > 0
+    for key, tensor in state_tensors(trainer).items():
+        if key.endswith(":step"):  # AdamW keeps `step` on the CPU: left where it is
+            assert tensor.data_ptr() == before[key][0] and key not in offloader._host
+        else:
+            assert tensor.device.type == "cpu" and tensor.is_pinned(), key
+    offloader.restore()
+    assert all(t.device.type == "cuda" for t in trainer.model.parameters())
+    assert_same_values(trainer, before)
+    trainer.train_step(PROMPTS, COMPLETIONS, REWARDS, 2)
