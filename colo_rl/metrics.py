@@ -45,6 +45,8 @@ class MetricsLogger:
         self.path = self.output_dir / "metrics.jsonl"
         self.records: list[dict] = []
         self.run = None
+        self.final_summary: dict | None = None  # offline W&B runs cannot be read back from disk
+        self.final_config: dict | None = None
         self._file = None
         self._bar = None
 
@@ -99,6 +101,8 @@ class MetricsLogger:
         if self._file is not None:
             self._file.close()
         if self.run is not None:
+            self.final_summary = dict(self.run.summary)
+            self.final_config = dict(self.run.config)
             self.run.finish(exit_code=0 if exc_type is None else 1)
 
 

@@ -12,6 +12,7 @@ import random
 import signal
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from statistics import mean
 
@@ -94,12 +95,26 @@ def encode_prompts(texts: list[str], tokenizer, settings: RunConfig) -> list[lis
     return [tokenizer(template.format(prompt=t)).input_ids for t in texts]
 
 
-def run(cfg: DictConfig, generator: VLLMGenerator | None = None) -> float:
-    """Train for `trainer.steps` steps; returns the mean reward of the last steps (for sweepers).
+@dataclass
+class RunResult:
+    """What a finished run leaves besides its files: the metrics of every step, the final
+    reward, and the W&B run's summary and config as they were just before it finished."""
 
-    `generator`: an already started engine for the same model (tests share one); by default the
-    run starts and closes its own.
-    """
+    output_dir: Path
+    records: list[dict]
+    final_reward: float
+    wandb_summary: dict | None
+    wandb_config: dict | None
+
+
+def run(cfg: DictConfig, generator: VLLMGenerator | None = None) -> float:
+    """Train for `trainer.steps` steps; returns the mean reward of the last steps (for sweepers)."""
+    return train(cfg, generator).final_reward
+
+
+def train(cfg: DictConfig, generator: VLLMGenerator | None = None) -> RunResult:
+    """The whole run. `generator`: an already started engine for the same model (tests share
+    one); by default the run starts and closes its own."""
     settings = validate(cfg)
     hydra_dir, group, name = _hydra_run_info()
     output_dir = Path(settings.output_dir) if settings.output_dir else hydra_dir
@@ -168,7 +183,9 @@ def run(cfg: DictConfig, generator: VLLMGenerator | None = None) -> float:
     # -- report ---------------------------------------------------------------------------
     print_summary(logger.records, output_dir)
     tail = logger.records[-max(1, min(5, len(logger.records))):]
-    return mean(r["reward/mean"] for r in tail) if tail else float("nan")
+    return RunResult(output_dir, logger.records,
+                     mean(r["reward/mean"] for r in tail) if tail else float("nan"),
+                     logger.final_summary, logger.final_config)
 
 
 def train_one_step(step: int, settings: RunConfig, task, rng: random.Random, tokenizer,

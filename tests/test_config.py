@@ -1,0 +1,97 @@
+"""Every YAML composes; bad values fail at compose or validate time, naming the key."""
+
+from __future__ import annotations
+
+import pytest
+from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
+
+from colo_rl.config import ConfigError, RunConfig, validate
+
+from .conftest import CONF, EXPERIMENTS, compose_config
+
+CHOICES = sorted({(p.parent.name, p.stem) for p in CONF.glob("*/*.yaml") if p.parent.name != "hydra"})
+EXPERIMENT_NAMES = sorted(p.stem for p in (EXPERIMENTS / "experiment").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("group,choice", CHOICES, ids=[f"{g}={c}" for g, c in CHOICES])
+def test_every_group_option_composes_and_validates(group, choice, tmp_path):
+    overrides = [f"{group}={choice}"]
+    if (group, choice) == ("task", "gsm8k"):
+        data = tmp_path / "gsm8k.jsonl"
+        data.write_text('{"question": "1+1?", "answer": "#### 2"}\n')
+        overrides.append(f"task.path={data}")
+    cfg = compose_config(*overrides)
+    settings = validate(cfg)
+    assert isinstance(settings, RunConfig)
+    node = getattr(settings, group)
+    if group in ("model", "sampling", "task"):  # groups whose options carry their own name
+        assert node.name == choice
+
+
+@pytest.mark.parametrize("name", EXPERIMENT_NAMES)
+def test_every_experiment_composes(name, tmp_path):
+    data = tmp_path / "gsm8k.jsonl"
+    data.write_text('{"question": "1+1?", "answer": "#### 2"}\n')
+    cfg = compose_config(f"experiment={name}", f"task.path={data}") if "gsm8k" in name else \
+        compose_config(f"experiment={name}")
+    validate(cfg)
+    first_line = (EXPERIMENTS / "experiment" / f"{name}.yaml").read_text().splitlines()[1]
+    assert first_line.startswith("# python -m colo_rl.run") and f"experiment={name}" in first_line
+
+
+def test_every_yaml_opens_with_the_command_that_runs_it():
+    for path in CONF.glob("**/*.yaml"):
+        if path.parent.name == "hydra":
+            continue
+        assert path.read_text().startswith("# python -m colo_rl.run"), path
+
+
+def test_memory_fraction_sweep_declares_its_grid():
+    with_hydra = compose_config("experiment=memory_fraction_sweep")
+    assert with_hydra.model.name == "olmo2_1b_shape"
+
+
+def test_typo_in_a_key_fails_at_compose_naming_it():
+    with pytest.raises(ConfigCompositionException, match="generator.gpu_memory_utilizaton"):
+        compose_config("generator.gpu_memory_utilizaton=0.3")
+
+
+def test_wrong_type_fails_at_compose_naming_the_key():
+    with pytest.raises(ConfigCompositionException, match="trainer.steps"):
+        compose_config("trainer.steps=many")
+
+
+@pytest.mark.parametrize("override,key", [
+    ("generator.gpu_memory_utilization=1.3", "generator.gpu_memory_utilization=1.3 must be in"),
+    ("generator.weight_sync=nccl", "generator.weight_sync"),
+    ("trainer.lr=-1", "trainer.lr"),
+    ("sampling.top_p=0", "sampling.top_p"),
+    ("sampling.max_tokens=300", "sampling.max_tokens=300 must be below generator.max_model_len"),
+    ("trainer.offload=everything", "trainer.offload"),
+    ("task.target=ab", "task.target"),
+    ("model.prompt_template=no_placeholder", "model.prompt_template"),
+    ("generator.python=/nonexistent/python", "generator.python"),
+    ("trainer.resume=/nonexistent/checkpoint", "trainer.resume"),
+])
+def test_out_of_range_values_fail_in_validate_naming_the_key(override, key):
+    with pytest.raises(ConfigError, match=key.replace("(", r"\(")):
+        validate(compose_config(override))
+
+
+def test_contradictions_are_refused_naming_both_keys():
+    with pytest.raises(ConfigError, match="sampling.n=1 .*trainer.advantage_norm=std"):
+        validate(compose_config("sampling=greedy", "trainer.advantage_norm=std"))
+    with pytest.raises(ConfigError, match="cuda_ipc.*trainer.device=cpu"):
+        validate(compose_config("generator.weight_sync=cuda_ipc", "trainer.device=cpu"))
+
+
+def test_greedy_sampling_is_one_completion_at_temperature_zero():
+    settings = validate(compose_config("sampling=greedy"))
+    assert settings.sampling.n == 1 and settings.sampling.temperature == 0.0
+
+
+def test_composed_config_resolves_to_plain_containers_for_wandb():
+    container = OmegaConf.to_container(compose_config(), resolve=True)
+    assert container["generator"]["gpu_memory_utilization"] == 0.5
+    assert container["model"]["name"] == "tiny"
