@@ -1,0 +1,130 @@
+"""The engine process: its own group, killed cleanly, noticed dead at once, gone with its trainer.
+
+Real subprocesses and real signals; each test here starts its own worker because it kills it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import psutil
+import pytest
+import torch
+
+from colo_rl.config import GeneratorConfig, SamplingConfig
+from colo_rl.generator import EngineProcess, GeneratorError, VLLMGenerator
+from colo_rl.generator.client import group_members
+from colo_rl.trainer import Offloader
+
+from ..conftest import ROOT
+
+
+def bare_worker(tmp_path) -> EngineProcess:
+    """A worker without an engine: enough for the control channel and signal tests."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    process = EngineProcess(sys.executable, tmp_path / "engine.log", env)
+    process.spawn(connect_timeout=60)
+    return process
+
+
+def test_worker_runs_in_its_own_process_group_with_a_private_socket(tmp_path):
+    process = bare_worker(tmp_path)
+    try:
+        assert os.getpgid(process.pid) == process.pid != os.getpgid(0)
+        assert oct(os.stat(process.socket_dir).st_mode & 0o777) == "0o700"
+        assert oct(os.stat(f"{process.socket_dir}/worker.json").st_mode & 0o777) == "0o600"
+        socket_dir, pgid = process.socket_dir, process.pid
+    finally:
+        assert process.close() == 0
+    assert not os.path.exists(socket_dir)
+    assert group_members(pgid) == []
+
+
+def test_hung_worker_times_out_and_its_group_is_killed(tmp_path):
+    process = bare_worker(tmp_path)
+    pgid = process.pid
+    os.kill(process.pid, signal.SIGSTOP)
+    start = time.monotonic()
+    with pytest.raises(GeneratorError, match="no reply within 2 s.*process group was killed"):
+        process.request("ping", timeout=2)
+    assert time.monotonic() - start < 20
+    assert group_members(pgid) == []
+    process.close()
+
+
+def test_dead_worker_is_noticed_while_waiting_not_after_the_timeout(tmp_path):
+    process = bare_worker(tmp_path)
+    os.kill(process.pid, signal.SIGSTOP)  # it cannot answer, so only its death ends the wait
+    threading.Timer(1.0, os.kill, (process.pid, signal.SIGKILL)).start()
+    start = time.monotonic()
+    with pytest.raises(GeneratorError, match=r"(?s)exited with code -9 while handling 'ping'.*engine log: "):
+        process.request("ping", timeout=600)
+    assert time.monotonic() - start < 10
+    process.close()
+
+
+@pytest.mark.slow
+def test_sigkill_mid_generate_is_a_clear_error_and_the_next_step_restarts(tiny_model_dir, tiny_policy, tmp_path):
+    generator = VLLMGenerator(GeneratorConfig(), model_dir=tiny_model_dir, dtype="float32", log_dir=tmp_path)
+    optimizer = torch.optim.AdamW(tiny_policy.parameters(), lr=1e-3)
+    offloader = Offloader(tiny_policy, optimizer, "all")
+    sampling = SamplingConfig(n=8, temperature=1.0, max_tokens=200)
+    prompts = [[5, 6, 7, 8]] * 64
+    try:
+        generator.generate(prompts[:1], SamplingConfig(n=1, max_tokens=2), model=tiny_policy, offloader=offloader)
+        pgid = generator.process.pid
+        threading.Timer(1.5, os.kill, (pgid, signal.SIGKILL)).start()
+        with pytest.raises(GeneratorError, match=r"(?s)during generate: .*exited with code -9.*engine log: .*engine.log"):
+            generator.generate(prompts, sampling, model=tiny_policy, offloader=offloader)
+        assert group_members(pgid) == []
+        assert offloader.offloaded == set()
+        assert all(p.device.type == "cpu" for p in tiny_policy.parameters())
+        rollouts = generator.generate(prompts[:2], SamplingConfig(n=2, max_tokens=4), model=tiny_policy,
+                                      offloader=offloader)
+        assert generator.process.pid != pgid and "timing/server_start_s" in rollouts.metrics
+        assert len(rollouts.completion_ids) == 4
+    finally:
+        generator.close()
+
+
+TRAINER_SCRIPT = textwrap.dedent("""
+    import sys, time
+    from pathlib import Path
+    from colo_rl.config import GeneratorConfig, ModelConfig, SamplingConfig
+    from colo_rl.generator import VLLMGenerator
+    from colo_rl.models import load_policy
+    if __name__ == "__main__":
+        model_dir, log_dir = Path(sys.argv[1]), Path(sys.argv[2])
+        policy = load_policy(ModelConfig(), model_dir, "cpu")
+        generator = VLLMGenerator(GeneratorConfig(), model_dir=model_dir, dtype="float32", log_dir=log_dir)
+        generator.generate([[5, 6, 7]], SamplingConfig(n=1, max_tokens=2), model=policy)
+        print(generator.process.pid, flush=True)
+        time.sleep(600)
+""")
+
+
+@pytest.mark.slow
+def test_killing_the_trainer_takes_the_engine_down_within_10_s(tiny_model_dir, tmp_path):
+    script = tmp_path / "trainer.py"
+    script.write_text(TRAINER_SCRIPT)
+    trainer = subprocess.Popen([sys.executable, str(script), str(tiny_model_dir), str(tmp_path)],
+                               stdout=subprocess.PIPE, text=True, cwd=ROOT,
+                               env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    try:
+        worker_pid = int(trainer.stdout.readline())
+        assert psutil.pid_exists(worker_pid)
+        trainer.kill()
+        trainer.wait()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and group_members(worker_pid):
+            time.sleep(0.1)
+        assert group_members(worker_pid) == [], "engine processes outlived their trainer by 10 s"
+        assert "SIGTERM, shutting the engine down" in (tmp_path / "engine.log").read_text()
+    finally:
+        trainer.kill()
