@@ -1,0 +1,65 @@
+"""A bare vllm.LLM.generate of fixed token-id prompts: the yardstick for colo_rl's generator.
+
+    python benchmarks/bare_vllm.py --json-in request.json --json-out result.json
+
+benchmarks/colocation.py runs it in a subprocess (the trainer's process never imports vllm) with
+the same model directory, prompts and sampling as its colocated steps. request.json:
+    {"engine_kwargs": {vllm.LLM keyword arguments}, "prompts": [[token ids], ...],
+     "sampling": {vllm.SamplingParams keyword arguments}, "repeats": 3}
+It times the engine start, one warm-up generate, then `repeats` generates, and writes the raw
+seconds and token counts plus their median tokens/s to result.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from statistics import median
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--json-in", required=True, type=Path, help="the request (see above)")
+    p.add_argument("--json-out", required=True, type=Path, help="where the timings go")
+    return p.parse_args(argv)
+
+
+def timed_generate(llm, prompts, params) -> tuple[float, int]:
+    """(seconds, generated tokens) of one generate call; it returns once every request is done."""
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    return seconds, sum(len(o.token_ids) for request in outputs for o in request.outputs)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    request = json.loads(args.json_in.read_text())
+    start = time.perf_counter()
+    import vllm
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(**request["engine_kwargs"])
+    start_s = time.perf_counter() - start
+    print(f"[bare_vllm] engine up in {start_s:.1f} s", flush=True)
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in request["prompts"]]
+    params = SamplingParams(**request["sampling"])
+    warmup_s, _ = timed_generate(llm, prompts, params)
+    runs = [timed_generate(llm, prompts, params) for _ in range(request.get("repeats", 3))]
+    seconds, tokens = [s for s, _ in runs], [t for _, t in runs]
+    result = {"vllm_version": vllm.__version__, "engine_kwargs": request["engine_kwargs"],
+              "start_s": start_s, "warmup_generate_s": warmup_s, "generate_s": seconds, "tokens": tokens,
+              "generate_median_s": median(seconds),
+              "tokens_per_s": median(t / s for s, t in runs),
+              "completion_tokens_mean": median(tokens) / (len(prompts) * params.n)}
+    args.json_out.write_text(json.dumps(result, indent=1))
+    print(f"[bare_vllm] generate median {result['generate_median_s']:.2f} s, "
+          f"{result['tokens_per_s']:.0f} tokens/s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

