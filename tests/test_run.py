@@ -101,7 +101,7 @@ def test_multirun_runs_one_job_per_value_in_its_own_directory_and_wandb_group(tm
     assert proc.returncode == 0, out[-3000:]
     jobs = sorted(p for p in sweep.iterdir() if p.is_dir() and (p / "metrics.jsonl").exists())
     assert [j.name.split("_", 1)[0] for j in jobs] == ["0", "1"]
-    assert "trainer.lr=1e-4" in jobs[0].name and "trainer.lr=3e-4" in jobs[1].name
+    assert "trainer.lr=0.0001" in jobs[0].name and "trainer.lr=0.0003" in jobs[1].name
     assert len(jobs) == 2
     for job in jobs:
         assert len(read_metrics(job)) == 2
