@@ -43,7 +43,13 @@ def test_shortened_default_run_logs_every_phase_and_leaves_no_engine(tmp_path):
     assert result.wandb_config["generator"]["gpu_memory_utilization"] == 0.5
     assert result.wandb_config["trainer"]["steps"] == 3
     assert result.wandb_summary["train/step"] == 2
-    assert result.wandb_summary["reward/mean"]["max"] == max(r["reward/mean"] for r in records)
+    # wandb-core folds the define_metric summary ({"max": ...}) in asynchronously: before it
+    # has, the client's summary holds the last value logged
+    summary_reward = result.wandb_summary["reward/mean"]
+    if isinstance(summary_reward, dict):
+        assert summary_reward["max"] == max(r["reward/mean"] for r in records)
+    else:
+        assert summary_reward == records[-1]["reward/mean"]
     assert list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
     assert (tmp_path / "checkpoint" / "trainer.pt").exists()
     assert engine_processes() == before
