@@ -316,13 +316,12 @@ class VLLMGenerator:
             result = self._cycle(prompt_ids, sampling, model, offloader, seed, timer)
         except BaseException as exc:
             phase = timer.current or "generate"
-            recovered = self._recover(offloader)
+            if not self._recover(offloader):
+                raise GeneratorError(f"{exc}; the engine could not be stopped, so the trainer's "
+                                     "state stays on the CPU", phase=phase,
+                                     log_path=self.log_path) from exc
             if isinstance(exc, GeneratorError) or not isinstance(exc, Exception):
-                if not recovered:
-                    raise GeneratorError(f"{exc}; the engine could not be stopped, so the trainer's "
-                                         "state stays on the CPU", phase=phase,
-                                         log_path=self.log_path) from exc
-                raise
+                raise  # already names its phase, or an interrupt the runner checkpoints on
             raise GeneratorError(f"{type(exc).__name__}: {exc}", phase=phase,
                                  log_path=self.log_path) from exc
         timer.metrics["timing/generator_total_s"] = time.perf_counter() - start
