@@ -101,9 +101,17 @@ class MetricsLogger:
         if self._file is not None:
             self._file.close()
         if self.run is not None:
-            self.final_summary = dict(self.run.summary)
+            self.final_summary = _plain(self.run.summary)
             self.final_config = dict(self.run.config)
             self.run.finish(exit_code=0 if exc_type is None else 1)
+
+
+def _plain(value):
+    """W&B summaries nest SummarySubDict objects (the define_metric {"max": ...} entries):
+    turn them into plain dicts so callers can compare and serialise them."""
+    if hasattr(value, "keys") and hasattr(value, "__getitem__") and not isinstance(value, str):
+        return {key: _plain(value[key]) for key in value.keys()}
+    return value
 
 
 def summary_rows(records: list[dict]) -> list[tuple[str, float, float]]:
