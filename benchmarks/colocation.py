@@ -351,7 +351,8 @@ def main(argv=None) -> int:
     cfg = model_config(args.model)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     log_dir = args.out.parent / f"{args.out.stem}_logs"
-    sampling = SamplingConfig(n=args.n, temperature=1.0, max_tokens=args.max_tokens, seed=0)
+    sampling = SamplingConfig(n=args.n, temperature=1.0, max_tokens=args.max_tokens, seed=0,
+                              ignore_eos=True)
     rng = random.Random(0)
     prompts = [[rng.randrange(3, cfg.embedded.vocab_size) for _ in range(args.prompt_len)]
                for _ in range(args.prompts)]

@@ -94,6 +94,7 @@ class SamplingConfig:
     stop: list[str] = field(default_factory=list)
     seed: Optional[int] = 0  # per-step seeds derive from it; null: unseeded sampling
     logprobs: bool = True  # ask the engine for sampled-token log-probs (weight-sync health)
+    ignore_eos: bool = False  # always generate max_tokens (benchmarks and soak tests)
 
     def __post_init__(self) -> None:
         _check(self.n >= 1, "sampling.n", self.n, "must be >= 1")

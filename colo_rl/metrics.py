@@ -114,13 +114,20 @@ def _plain(value):
     return value
 
 
+def engine_starts(records: list[dict]) -> list[float]:
+    """Seconds of every engine start: the first in set-up, later ones after failures."""
+    return [r["timing/server_start_s"] for r in records if "timing/server_start_s" in r]
+
+
 def summary_rows(records: list[dict]) -> list[tuple[str, float, float]]:
-    """(phase, mean seconds, share of the mean step) for every phase that took time."""
+    """(phase, mean seconds, share of the mean step) for every per-step phase that took time."""
     if not records:
         return []
     step_s = mean(r.get("timing/step_s", 0.0) for r in records) or math.nan
     rows = []
     for phase in PHASES:
+        if phase == "server_start":  # once per engine, mostly outside any step: see engine_starts
+            continue
         key = f"timing/{phase}_s"
         if any(key in r for r in records):  # a phase some steps skip (server_start) counts 0 there
             seconds = mean(r.get(key, 0.0) for r in records)
@@ -144,6 +151,10 @@ def print_summary(records: list[dict], output_dir: Path) -> None:
     table.add_row("step", f"{mean(r['timing/step_s'] for r in records):.3f}", "100%")
     console = Console()
     console.print(table)
+    starts = engine_starts(records)
+    if starts:
+        console.print(f"engine start: {' + '.join(f'{s:.1f}' for s in starts)} s "
+                      "(the first during set-up, outside the step times; later ones are restarts)")
     window = max(1, min(5, len(records) // 2))
     first = mean(r["reward/mean"] for r in records[:window])
     last = mean(r["reward/mean"] for r in records[-window:])

@@ -25,7 +25,7 @@ from colo_rl.generator import GeneratorError, VLLMGenerator
 from colo_rl.metrics import MetricsLogger, print_summary
 from colo_rl.models import load_policy, load_tokenizer, prepare_model_dir
 from colo_rl.tasks import make_task
-from colo_rl.timing import StepTimer
+from colo_rl.timing import StepTimer, host_metrics
 from colo_rl.trainer import GRPOTrainer, Offloader, load_checkpoint, save_checkpoint
 
 log = logging.getLogger("colo_rl")
@@ -147,6 +147,9 @@ def train(cfg: DictConfig, generator: VLLMGenerator | None = None) -> RunResult:
         settings.generator, model_dir=model_dir, dtype=settings.model.dtype, log_dir=output_dir,
         seed=t.seed, trust_remote_code=settings.model.trust_remote_code,
         tokenizer=settings.model.tokenizer)
+    # A bad engine setting (path, memory) fails here with vLLM's own message, before step 0
+    # moves any trainer state; start() leaves no worker process behind when it fails.
+    generator.ensure_started(trainer.model)
     checkpoint_dir = output_dir / "checkpoint"
     guard = InterruptGuard()
     logger = MetricsLogger(settings.logger, output_dir=output_dir,
@@ -219,6 +222,7 @@ def train_one_step(step: int, settings: RunConfig, task, rng: random.Random, tok
         metrics = {**rollouts.metrics, **timer.metrics, **train_metrics}
         if torch.cuda.is_available():
             metrics["memory/trainer_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        metrics.update(host_metrics(generator.process.pid if generator.process else None))
         step_s = time.perf_counter() - step_start
         busy = metrics.get("timing/generate_s", 0.0) + metrics["timing/train_s"]
         metrics.update({

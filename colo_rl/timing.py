@@ -45,3 +45,22 @@ class StepTimer:
         free = gpu_free_gib()
         if free is not None:
             self.metrics[f"memory/free_after_{event}_gib"] = free
+
+
+def host_metrics(engine_pid: int | None) -> dict[str, float]:
+    """Host resources a long run must not leak: the trainer's RSS, open file descriptors and
+    child processes, and the RSS of the engine worker with its own children."""
+    import psutil
+
+    me = psutil.Process()
+    metrics = {"host/trainer_rss_gib": me.memory_info().rss / GIB,
+               "host/open_fds": float(me.num_fds()),
+               "host/child_processes": float(len(me.children(recursive=True)))}
+    if engine_pid is not None:
+        try:
+            worker = psutil.Process(engine_pid)
+            rss = sum(p.memory_info().rss for p in [worker, *worker.children(recursive=True)])
+            metrics["host/engine_rss_gib"] = rss / GIB
+        except psutil.NoSuchProcess:
+            pass
+    return metrics

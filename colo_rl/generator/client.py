@@ -228,6 +228,7 @@ class VLLMGenerator:
         self.engine_info: dict = {}
         self.weight_sync: str | None = None
         self.pushes = 0
+        self._unreported_start_s: float | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -254,9 +255,30 @@ class VLLMGenerator:
         kwargs.update(self.cfg.engine_kwargs)
         return kwargs
 
+    def ensure_started(self, model: torch.nn.Module) -> None:
+        """Start the engine for `model` now, unless it runs: the runner calls this during set-up
+        so that a bad engine setting fails before the first step touches the trainer. The
+        start's seconds are reported with the next step's metrics."""
+        if self.process is not None and self.process.alive():
+            return
+        start = time.perf_counter()
+        self.start([[name, list(t.shape)] for name, t in self._hf_tensors(model)])
+        self._unreported_start_s = time.perf_counter() - start
+
     def start(self, hf_specs: list[list]) -> dict:
-        """Start the worker and its engine (asleep on GPU) and check the weight mapping."""
+        """Start the worker and its engine (asleep on GPU) and check the weight mapping. On any
+        failure the worker's process group is gone before the error propagates."""
+        if self.process is not None:
+            self.process.close()
         self.process = EngineProcess(engine_python(self.cfg), self.log_path, self._env())
+        try:
+            return self._start(hf_specs)
+        except BaseException:
+            process, self.process = self.process, None
+            process.close()
+            raise
+
+    def _start(self, hf_specs: list[list]) -> dict:
         self.process.spawn(connect_timeout=self.cfg.start_timeout_s)
         info = self.process.request("start", timeout=self.cfg.start_timeout_s,
                                     engine_kwargs=self.engine_kwargs(), sleep_level=self.cfg.sleep_level)
@@ -337,14 +359,13 @@ class VLLMGenerator:
     def _cycle(self, prompt_ids, sampling, model, offloader, seed, timer: StepTimer) -> Rollouts:
         m = timer.metrics
         timer.memory("trainer_step")
-        if self.process is not None and not self.process.alive():
-            self.process.close()  # a dead engine (restart_on_failure): clean up, start afresh
-            self.process = None
-        if self.process is None:
+        if self.process is None or not self.process.alive():  # first step, or restart_on_failure
             with timer.phase("server_start"):
-                specs = [[name, list(t.shape)] for name, t in self._hf_tensors(model)]
-                self.start(specs)
+                self.start([[name, list(t.shape)] for name, t in self._hf_tensors(model)])
             timer.memory("server_start")
+        elif self._unreported_start_s is not None:  # started by ensure_started() during set-up
+            m["timing/server_start_s"] = self._unreported_start_s
+        self._unreported_start_s = None
         r = self.cfg.request_timeout_s
         if self.weight_sync == "cuda_ipc":
             with timer.phase("offload"):
@@ -411,7 +432,7 @@ class VLLMGenerator:
     def _sampling_params(s: SamplingConfig, seed: int | None) -> dict:
         return {"n": s.n, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
                 "max_tokens": s.max_tokens, "stop": list(s.stop), "seed": seed,
-                "logprobs": 0 if s.logprobs else None}
+                "logprobs": 0 if s.logprobs else None, "ignore_eos": s.ignore_eos}
 
     @staticmethod
     def _rollouts(prompt_ids, out: dict, n: int, metrics: dict) -> Rollouts:

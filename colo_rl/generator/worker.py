@@ -148,6 +148,28 @@ class EngineServer:
             self.llm = None
 
 
+FAULT_ENV = "COLO_RL_INJECT_FAULT"
+
+
+def inject_fault(op: str) -> None:
+    """Fault injection for the test suite: with COLO_RL_INJECT_FAULT=OP:SIGNAL[:MARKER], the worker
+    sends itself SIGNAL (a real one: SIGKILL, SIGSTOP, ...) when it receives request OP. With
+    MARKER (a path) it fires once per marker: the fresh engine of a restart runs normally."""
+    spec = os.environ.get(FAULT_ENV)
+    if not spec:
+        return
+    fault_op, signame, *marker = spec.split(":", 2)
+    if fault_op != op:
+        return
+    if marker:
+        try:
+            os.close(os.open(marker[0], os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        except FileExistsError:
+            return
+    print(f"colo_rl worker: {FAULT_ENV}: sending myself {signame} on '{op}'", flush=True)
+    os.kill(os.getpid(), getattr(signal, signame))
+
+
 def serve(conn: Connection, server: EngineServer) -> None:
     """Answer requests until asked to shut down; every reply carries its request's id."""
     while True:
@@ -166,6 +188,7 @@ def serve(conn: Connection, server: EngineServer) -> None:
             conn.send({"id": request_id, "ok": False,
                        "error": f"unknown or malformed request {message!r:.200}"})
             continue
+        inject_fault(op)
         try:
             result = handler(**message.get("args", {}))
             conn.send({"id": request_id, "ok": True, "result": result})
