@@ -167,6 +167,7 @@ class TrainerConfig:
     seed: int = 0
     checkpoint_every: int = 0  # steps; 0: only at the end and on interruption
     resume: Optional[str] = None  # a checkpoint directory written by an earlier run
+    parallel: str = "none"  # none | ddp | fsdp: data parallel over torchrun's ranks (one GPU each)
 
     def __post_init__(self) -> None:
         _one_of("trainer.algorithm", self.algorithm, ("grpo",))
@@ -174,6 +175,15 @@ class TrainerConfig:
         _one_of("trainer.advantage_norm", self.advantage_norm, ("mean", "std"))
         _one_of("trainer.loss_agg", self.loss_agg, ("token", "sequence", "constant"))
         _one_of("trainer.offload", self.offload, ("all", "optimizer", "none"))
+        _one_of("trainer.parallel", self.parallel, ("none", "ddp", "fsdp"))
+        if self.parallel == "fsdp":
+            _check(self.offload == "none", "trainer.offload", self.offload,
+                   "must be none with trainer.parallel=fsdp (the shards stay on their GPUs; "
+                   "use trainer.parallel=ddp to offload)")
+            _check(self.kl_coef == 0, "trainer.kl_coef", self.kl_coef,
+                   "must be 0 with trainer.parallel=fsdp (no sharded reference model yet)")
+            _check(self.resume is None, "trainer.resume", self.resume,
+                   "is not supported with trainer.parallel=fsdp yet: resume with trainer.parallel=ddp")
         for key in ("steps", "prompts_per_step", "micro_batch_size", "updates_per_batch"):
             _check(getattr(self, key) >= 1, f"trainer.{key}", getattr(self, key), "must be >= 1")
         _check(self.lr > 0, "trainer.lr", self.lr, "must be > 0")

@@ -37,8 +37,9 @@ class MetricsLogger:
 
     def __init__(self, cfg: LoggerConfig, *, output_dir: Path, config: dict,
                  group: str | None = None, name: str | None = None, total_steps: int = 0,
-                 initial_step: int = 0):
+                 initial_step: int = 0, enabled: bool = True):
         self.cfg = cfg
+        self.enabled = enabled  # False: keep the records in memory only (data-parallel ranks > 0)
         self.output_dir = Path(output_dir)
         self.config, self.group, self.name = config, cfg.group or group, cfg.name or name
         self.total_steps, self.initial_step = total_steps, initial_step
@@ -51,6 +52,8 @@ class MetricsLogger:
         self._bar = None
 
     def __enter__(self) -> "MetricsLogger":
+        if not self.enabled:
+            return self
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self._file = open(self.path, "a")
         if self.cfg.backend == "wandb":
@@ -87,6 +90,8 @@ class MetricsLogger:
     def log(self, step: int, metrics: dict[str, float]) -> None:
         record = {STEP_KEY: step, **metrics}
         self.records.append(record)
+        if not self.enabled:
+            return
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
         if self.run is not None:

@@ -24,6 +24,7 @@ from colo_rl.config import RunConfig, register_configs, resolve_device, validate
 from colo_rl.generator import GeneratorError, VLLMGenerator
 from colo_rl.metrics import MetricsLogger, print_summary
 from colo_rl.models import load_policy, load_tokenizer, prepare_model_dir
+from colo_rl.parallel import Parallel, reduce_step_metrics
 from colo_rl.tasks import make_task
 from colo_rl.timing import StepTimer, host_metrics
 from colo_rl.trainer import GRPOTrainer, Offloader, load_checkpoint, save_checkpoint
@@ -120,18 +121,33 @@ def train(cfg: DictConfig, generator: VLLMGenerator | None = None) -> RunResult:
     output_dir = Path(settings.output_dir) if settings.output_dir else hydra_dir
     if output_dir is None:
         raise ValueError("output_dir is unset and Hydra is not running: pass output_dir=PATH")
-    t, s = settings.trainer, settings.sampling
+    t = settings.trainer
 
     # -- setup: everything that can fail on bad input fails here, before any engine starts ---
-    device = resolve_device(t.device)
-    model_dir = prepare_model_dir(settings.model, output_dir)
+    par = Parallel.from_torchrun(t.parallel, resolve_device(t.device))
+    try:
+        return _train(cfg, settings, generator, par, output_dir, group, name)
+    finally:
+        par.close()
+
+
+def _train(cfg: DictConfig, settings: RunConfig, generator: VLLMGenerator | None, par: Parallel,
+           output_dir: Path, group: str | None, name: str | None) -> RunResult:
+    t, s = settings.trainer, settings.sampling
+    device = par.device(resolve_device(t.device))
+    par.shard(range(t.prompts_per_step))  # fails now, naming the key, if they do not split
+    # every rank writes into rank 0's directory (Hydra names one per process, by the clock)
+    output_dir = Path(par.broadcast(str(output_dir)))
+    model_dir = Path(par.broadcast(str(prepare_model_dir(settings.model, output_dir))
+                                   if par.is_main else None))
     tokenizer = load_tokenizer(settings.model, model_dir)
     task = make_task(settings.task)
     rng = random.Random(settings.task.seed)
     torch.manual_seed(t.seed)
     policy = load_policy(settings.model, model_dir, device)
     trainer = GRPOTrainer(policy, t, pad_token_id=tokenizer.pad_token_id,
-                          temperature=s.temperature, max_tokens=s.max_tokens, device=device)
+                          temperature=s.temperature, max_tokens=s.max_tokens, device=device,
+                          parallel=par)
     offloader = Offloader(policy, trainer.optimizer, t.offload)
     start_step = 0
     if t.resume:
@@ -146,7 +162,9 @@ def train(cfg: DictConfig, generator: VLLMGenerator | None = None) -> RunResult:
     generator = generator or VLLMGenerator(
         settings.generator, model_dir=model_dir, dtype=settings.model.dtype, log_dir=output_dir,
         seed=t.seed, trust_remote_code=settings.model.trust_remote_code,
-        tokenizer=settings.model.tokenizer)
+        tokenizer=settings.model.tokenizer,
+        log_name=f"engine_rank{par.rank}.log" if par.enabled else "engine.log",
+        gpu=par.engine_gpu() if device.startswith("cuda") else None)
     # A bad engine setting (path, memory) fails here with vLLM's own message, before step 0
     # moves any trainer state; start() leaves no worker process behind when it fails.
     generator.ensure_started(trainer.model)
@@ -154,7 +172,7 @@ def train(cfg: DictConfig, generator: VLLMGenerator | None = None) -> RunResult:
     guard = InterruptGuard()
     logger = MetricsLogger(settings.logger, output_dir=output_dir,
                            config=OmegaConf.to_container(cfg, resolve=True), group=group, name=name,
-                           total_steps=t.steps, initial_step=start_step)
+                           total_steps=t.steps, initial_step=start_step, enabled=par.is_main)
 
     # -- train ----------------------------------------------------------------------------
     # `done` is what a checkpoint holds: steps fully applied and logged, and the task sampler's
@@ -164,14 +182,18 @@ def train(cfg: DictConfig, generator: VLLMGenerator | None = None) -> RunResult:
         try:
             for step in range(start_step, t.steps):
                 train_one_step(step, settings, task, rng, tokenizer, trainer, offloader,
-                               generator, logger, guard, done)
+                               generator, logger, guard, done, par)
                 if t.checkpoint_every and done["step"] % t.checkpoint_every == 0:
-                    save_checkpoint(checkpoint_dir, trainer, done)
+                    _checkpoint(par, checkpoint_dir, trainer, done)
         except KeyboardInterrupt as exc:
             # The generator has put the engine to sleep and restored the trainer before this.
-            path = save_checkpoint(checkpoint_dir, trainer, done)
-            log.error("interrupted after %d steps (%s); checkpoint written to %s; resume with "
-                      "trainer.resume=%s", done["step"], exc, path, checkpoint_dir)
+            if par.mode == "fsdp":  # gathering shards needs every rank, and some may be gone
+                log.error("interrupted after %d steps (%s); trainer.parallel=fsdp writes no "
+                          "checkpoint on interruption", done["step"], exc)
+            elif par.is_main:
+                path = save_checkpoint(checkpoint_dir, trainer, done)
+                log.error("interrupted after %d steps (%s); checkpoint written to %s; resume with "
+                          "trainer.resume=%s", done["step"], exc, path, checkpoint_dir)
             if owns_generator:
                 generator.close()
             raise SystemExit(128 + getattr(exc, "signum", signal.SIGINT)) from exc
@@ -179,29 +201,51 @@ def train(cfg: DictConfig, generator: VLLMGenerator | None = None) -> RunResult:
             if owns_generator and generator.process is not None:
                 generator.process.close()  # the error itself is what the user needs to see
             raise
-        save_checkpoint(checkpoint_dir, trainer, done)
+        _checkpoint(par, checkpoint_dir, trainer, done)
         if owns_generator:
             generator.close()
 
     # -- report ---------------------------------------------------------------------------
-    print_summary(logger.records, output_dir)
+    if par.is_main:
+        print_summary(logger.records, output_dir)
     tail = logger.records[-max(1, min(5, len(logger.records))):]
     return RunResult(output_dir, logger.records,
                      mean(r["reward/mean"] for r in tail) if tail else float("nan"),
                      logger.final_summary, logger.final_config)
 
 
+def _checkpoint(par: Parallel, directory: Path, trainer: GRPOTrainer, done: dict) -> None:
+    """Rank 0 writes the checkpoint; under FSDP every rank first helps gather the full state."""
+    state = trainer.state_dict() if par.mode == "fsdp" else None
+    if par.is_main:
+        save_checkpoint(directory, trainer, done, state=state)
+
+
+def prompt_seeds(sampling_seed: int | None, step: int, num_prompts: int, n: int) -> list[int] | None:
+    """One sampling seed per prompt of the global batch (vLLM gives completion j seed + j), so
+    what a prompt samples depends on the step and its index, not on the batch it shares."""
+    if sampling_seed is None:
+        return None
+    base = (sampling_seed + step) * num_prompts * n
+    return [(base + i * n) % 2**31 for i in range(num_prompts)]
+
+
 def train_one_step(step: int, settings: RunConfig, task, rng: random.Random, tokenizer,
                    trainer: GRPOTrainer, offloader: Offloader, generator: VLLMGenerator,
-                   logger: MetricsLogger, guard: InterruptGuard, done: dict) -> None:
-    """Sample prompts, generate, score, update, log: one RL step."""
+                   logger: MetricsLogger, guard: InterruptGuard, done: dict,
+                   par: Parallel | None = None) -> None:
+    """Sample prompts, generate, score, update, log: one RL step. Under data parallelism every
+    rank draws the same global batch and works on its shard; the metrics are reduced."""
+    par = par or Parallel.single()
     s = settings.sampling
     timer = StepTimer()
     step_start = time.perf_counter()
-    prompts = task.sample(settings.trainer.prompts_per_step, rng)
+    global_prompts = task.sample(settings.trainer.prompts_per_step, rng)
+    seeds = prompt_seeds(s.seed, step, len(global_prompts), s.n)
+    shard = par.shard(global_prompts)
+    prompts, seed = global_prompts[shard], seeds[shard] if seeds is not None else None
     prompt_ids = encode_prompts([p.text for p in prompts], tokenizer, settings)
     logger.phase("generate")
-    seed = None if s.seed is None else s.seed + step
     try:
         rollouts = generator.generate(prompt_ids, s, model=trainer.model, offloader=offloader, seed=seed)
     except GeneratorError as exc:
@@ -232,6 +276,9 @@ def train_one_step(step: int, settings: RunConfig, task, rng: random.Random, tok
             "reward/max": max(rewards),
             "reward/min": min(rewards),
         })
+        if par.enabled:
+            gathered = par.gather((metrics, rewards))
+            metrics = reduce_step_metrics([m for m, _ in gathered], [r for _, r in gathered])
         logger.log(step, metrics)
         done.update(step=step + 1, task_rng=rng.getstate())
 

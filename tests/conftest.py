@@ -61,3 +61,14 @@ def engine(tmp_path_factory, tiny_model_dir):
                               log_dir=tmp_path_factory.mktemp("engine"))
     yield generator
     generator.close()
+
+
+@pytest.fixture(scope="session")
+def short_run_dir(tmp_path_factory, engine) -> Path:
+    """The output directory of one real 3-step run of the embedded default (logger=none): the
+    metrics.jsonl that the report and the dashboards are checked against."""
+    from colo_rl.run import train
+
+    output_dir = tmp_path_factory.mktemp("short_run")
+    train(compose_config(*small_run_overrides(output_dir, "logger=none")), engine)
+    return output_dir

@@ -219,11 +219,13 @@ class VLLMGenerator:
     """A vLLM engine in its own subprocess that sleeps while the trainer has the GPU."""
 
     def __init__(self, cfg: GeneratorConfig, *, model_dir: Path, dtype: str, log_dir: Path,
-                 seed: int = 0, trust_remote_code: bool = False, tokenizer: str | None = None):
+                 seed: int = 0, trust_remote_code: bool = False, tokenizer: str | None = None,
+                 log_name: str = "engine.log", gpu: str | None = None):
         self.cfg = cfg
         self.model_dir, self.dtype, self.seed = Path(model_dir), dtype, seed
         self.trust_remote_code, self.tokenizer = trust_remote_code, tokenizer
-        self.log_path = Path(log_dir) / "engine.log"
+        self.log_path = Path(log_dir) / log_name
+        self.gpu = gpu  # CUDA_VISIBLE_DEVICES of the engine (data parallel: the rank's GPU)
         self.process: EngineProcess | None = None
         self.engine_info: dict = {}
         self.weight_sync: str | None = None
@@ -242,6 +244,8 @@ class VLLMGenerator:
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         if self.cfg.device == "cpu":
             env["CUDA_VISIBLE_DEVICES"] = ""
+        elif self.gpu is not None:
+            env["CUDA_VISIBLE_DEVICES"] = self.gpu
         return env
 
     def engine_kwargs(self) -> dict:
@@ -325,8 +329,11 @@ class VLLMGenerator:
     # -- one step --------------------------------------------------------------------------
 
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig, *, model: torch.nn.Module,
-                 offloader: Offloader | None = None, seed: int | None = None) -> Rollouts:
+                 offloader: Offloader | None = None, seed: int | list[int] | None = None) -> Rollouts:
         """Push `model`'s weights, generate `sampling.n` completions per prompt, hand the GPU back.
+
+        `seed`: one for the whole batch, or one per prompt (a prompt's completions then do not
+        depend on what else is in the batch: data-parallel ranks sample what one process would).
 
         On any failure the engine is put to sleep (or its process group killed) before the
         trainer's tensors go back to the GPU; if it cannot be stopped, they stay on the CPU.
@@ -354,7 +361,10 @@ class VLLMGenerator:
 
     def _hf_tensors(self, model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
         # named_parameters() yields tied parameters once: an alias is pushed and counted once.
-        return [(name, p.detach()) for name, p in model.named_parameters()]
+        # FSDP shards are DTensors: full_tensor() all-gathers each (every rank calls this in the
+        # same order, so the collectives match).
+        return [(name, p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach())
+                for name, p in model.named_parameters()]
 
     def _cycle(self, prompt_ids, sampling, model, offloader, seed, timer: StepTimer) -> Rollouts:
         m = timer.metrics
@@ -409,6 +419,7 @@ class VLLMGenerator:
             offloader.restore()
         timer.memory("restore")
         m["generator/sleep_skipped"] = float(slept["skipped"])
+        m.update({f"memory/engine_asleep_{k}": float(v) for k, v in slept.items() if k != "skipped"})
         return self._rollouts(prompt_ids, out, sampling.n, m)
 
     def _push_ipc(self, model: torch.nn.Module) -> dict:
@@ -429,7 +440,7 @@ class VLLMGenerator:
         return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
 
     @staticmethod
-    def _sampling_params(s: SamplingConfig, seed: int | None) -> dict:
+    def _sampling_params(s: SamplingConfig, seed: int | list[int] | None) -> dict:
         return {"n": s.n, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
                 "max_tokens": s.max_tokens, "stop": list(s.stop), "seed": seed,
                 "logprobs": 0 if s.logprobs else None, "ignore_eos": s.ignore_eos}

@@ -11,6 +11,7 @@ and versions keep names 1:1.
 
 from __future__ import annotations
 
+import gc
 import pickle
 import time
 
@@ -103,7 +104,11 @@ class WeightSyncExtension:
         start = time.perf_counter()
         entries = pickle.loads(payload)  # [(name, rebuild_fn, rebuild_args, checksum), ...]
         tensors, expected = [], {}
+        device = torch.cuda.current_device()
         for name, rebuild, args, checksum in entries:
+            # args[6] is the CUDA device index in the trainer's numbering; under data
+            # parallelism the engine sees only its rank's GPU (CUDA_VISIBLE_DEVICES), as index 0
+            args = (*args[:6], device, *args[7:])
             tensor = rebuild(*args)
             got = tensor_checksum(tensor)
             if got != checksum:
@@ -121,6 +126,18 @@ class WeightSyncExtension:
             raise RuntimeError(f"after loading, engine parameters differ from the trainer's for "
                                f"{mismatched[:5]} ({len(mismatched)} tensors)")
         return {"map_s": map_s, "load_s": load_s, "tensors": len(entries), "readback_checked": checked}
+
+    def colo_rl_release_cached(self) -> dict:
+        """After sleep: hand the blocks this worker's caching allocator still keeps (sampler and
+        logits scratch, not in vLLM's sleep pools) back to the driver, and say what torch still
+        holds here, so that what a sleeping engine keeps can be told apart from its CUDA context."""
+        if not torch.cuda.is_available():
+            return {}
+        gc.collect()
+        reserved = torch.cuda.memory_reserved()
+        torch.cuda.empty_cache()
+        return {"released_gib": (reserved - torch.cuda.memory_reserved()) / 2**30,
+                "torch_reserved_gib": torch.cuda.memory_reserved() / 2**30}
 
     def _readback(self, expected: dict[str, int]) -> tuple[list[str], int]:
         """Compare checksums of the engine's parameters (the right slice of packed ones) with the

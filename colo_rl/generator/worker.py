@@ -103,9 +103,10 @@ class EngineServer:
         return {"skipped": not self.sleep_supported}
 
     def op_sleep(self, level: int) -> dict:
-        if self.sleep_supported:
-            self.llm.sleep(level=level)
-        return {"skipped": not self.sleep_supported}
+        if not self.sleep_supported:
+            return {"skipped": True}
+        self.llm.sleep(level=level)
+        return {"skipped": False, **self.llm.collective_rpc("colo_rl_release_cached")[0]}
 
     def op_load_file(self, path: str, fingerprint: str) -> dict:
         return self.llm.collective_rpc("colo_rl_load_file", args=(path, fingerprint))[0]
@@ -121,8 +122,15 @@ class EngineServer:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        params = SamplingParams(**sampling)
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+        seed = sampling.pop("seed", None)
+        if isinstance(seed, list):  # one seed per prompt: samples do not depend on the batch
+            if len(seed) != len(prompts):
+                raise ValueError(f"{len(seed)} seeds for {len(prompts)} prompts")
+            per_prompt = [SamplingParams(**sampling, seed=s) for s in seed]
+        else:
+            per_prompt = SamplingParams(**sampling, seed=seed)
+        params = per_prompt[0] if isinstance(per_prompt, list) else per_prompt
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], per_prompt,
                                     use_tqdm=False)
         if len(outputs) != len(prompts):
             raise RuntimeError(f"engine returned {len(outputs)} outputs for {len(prompts)} prompts")

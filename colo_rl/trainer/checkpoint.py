@@ -26,13 +26,16 @@ class CheckpointError(RuntimeError):
     """A checkpoint cannot be written or read; the message names the path and what to do."""
 
 
-def save_checkpoint(directory: str | Path, trainer: GRPOTrainer, extra: dict) -> Path:
-    """Writes directory/trainer.pt atomically with the trainer state, RNG states and `extra`."""
+def save_checkpoint(directory: str | Path, trainer: GRPOTrainer, extra: dict,
+                    state: dict | None = None) -> Path:
+    """Writes directory/trainer.pt atomically with the trainer state, RNG states and `extra`.
+    `state`: the trainer state when the caller gathered it already (FSDP: every rank must)."""
     _check_loadable(extra)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / FILENAME
-    payload = {"trainer": trainer.state_dict(), "rng": _rng_states(), "extra": extra}
+    payload = {"trainer": state if state is not None else trainer.state_dict(),
+               "rng": _rng_states(), "extra": extra}
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{FILENAME}.", suffix=".partial")
     try:
         with os.fdopen(fd, "wb") as f:

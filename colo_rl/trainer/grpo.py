@@ -8,12 +8,14 @@ exp(logp - old) and the engine-vs-trainer log-prob gap compare like with like.
 from __future__ import annotations
 
 import copy
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from colo_rl.config import TrainerConfig
+from colo_rl.parallel import Parallel
 
 LOSS_AGGS = ("token", "sequence", "constant")
 
@@ -161,8 +163,10 @@ class GRPOTrainer:
     """Owns the policy's optimiser (and the frozen reference when KL is on) and runs GRPO steps."""
 
     def __init__(self, model: torch.nn.Module, cfg: TrainerConfig, *, pad_token_id: int,
-                 temperature: float, max_tokens: int, device: str):
-        self.model = model  # already on `device`
+                 temperature: float, max_tokens: int, device: str, parallel: Parallel | None = None):
+        self.model = model  # already on `device`; the module whose weights the engine gets
+        self.parallel = parallel or Parallel.single()
+        self.forward_model = _wrap(model, self.parallel, device)  # what runs forward/backward
         self.cfg = cfg
         self.pad_token_id = pad_token_id
         self.temperature = temperature
@@ -189,7 +193,7 @@ class GRPOTrainer:
         micro = self._micro_batches([p for p in prompt_ids for _ in range(group_size)],
                                     completion_ids, advantages, engine_logprobs)
         lengths = torch.tensor([len(c) for c in completion_ids])
-        normalizer = loss_normalizer(lengths, self.cfg.loss_agg, self.max_tokens)
+        normalizer = self._global_normalizer(lengths)
         ref = [self._reference_logprobs(mb) for mb in micro]
         old = None
         totals = {"loss": 0.0, "grad_norm": 0.0, "clip_frac": 0.0, "kl": 0.0}
@@ -207,6 +211,21 @@ class GRPOTrainer:
             metrics["train/engine_logprob_gap"] = _logprob_gap(micro, old)
         return metrics
 
+    def _global_normalizer(self, lengths: torch.Tensor) -> float:
+        """The loss denominator of the global batch, over the world size: each rank's gradient
+        of (its sum / this) averaged over ranks (what DDP and FSDP do) is then the gradient of
+        the global batch's loss, exactly as one process would compute it."""
+        if not self.parallel.enabled:
+            return loss_normalizer(lengths, self.cfg.loss_agg, self.max_tokens)
+        p = self.parallel
+        if self.cfg.loss_agg == "token":
+            total = max(p.all_sum(float(lengths.sum())), 1.0)
+        elif self.cfg.loss_agg == "sequence":
+            total = max(p.all_sum(float((lengths > 0).sum())), 1.0)
+        else:
+            total = p.all_sum(float(lengths.numel())) * self.max_tokens
+        return total / p.world_size
+
     def _micro_batches(self, prompts, completions, advantages, engine) -> list[_MicroBatch]:
         size = self.cfg.micro_batch_size
         return [_pack(prompts[i:i + size], completions[i:i + size], advantages[i:i + size],
@@ -219,14 +238,16 @@ class GRPOTrainer:
         loss_sum, clip_sum, kl_sum, tokens = 0.0, 0.0, 0.0, 0.0
         logprobs_before = []
         for i, mb in enumerate(micro):
-            logprobs = self._token_logprobs(self.model, mb)
-            logprobs_before.append(logprobs.detach())
-            loss, stats = grpo_loss(logprobs, logprobs_before[i] if old is None else old[i],
-                                    mb.advantages, mb.mask,
-                                    clip_eps=self.cfg.clip_eps, loss_agg=self.cfg.loss_agg,
-                                    max_tokens=self.max_tokens, ref_logprobs=ref[i],
-                                    kl_coef=self.cfg.kl_coef, normalizer=normalizer)
-            loss.backward()
+            # data parallel: gradients are reduced across ranks once, on the last micro-batch
+            with _gradient_sync(self.forward_model, self.parallel, i == len(micro) - 1):
+                logprobs = self._token_logprobs(self.forward_model, mb)
+                logprobs_before.append(logprobs.detach())
+                loss, stats = grpo_loss(logprobs, logprobs_before[i] if old is None else old[i],
+                                        mb.advantages, mb.mask,
+                                        clip_eps=self.cfg.clip_eps, loss_agg=self.cfg.loss_agg,
+                                        max_tokens=self.max_tokens, ref_logprobs=ref[i],
+                                        kl_coef=self.cfg.kl_coef, normalizer=normalizer)
+                loss.backward()
             loss_sum += float(loss.detach())
             clip_sum += stats["clip_frac"] * stats["tokens"]
             kl_sum += stats["kl"] * stats["tokens"]
@@ -259,7 +280,15 @@ class GRPOTrainer:
             return self._token_logprobs(self.reference, mb)
 
     def state_dict(self) -> dict:
-        """Everything needed to resume: model, optimizer, step count and the reference if any."""
+        """Everything needed to resume: model, optimizer, step count and the reference if any.
+        Under FSDP the full (unsharded) state, gathered to the CPU: every rank must call this."""
+        if self.parallel.mode == "fsdp":
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+            model_state, optim_state = get_state_dict(
+                self.model, self.optimizer,
+                options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            return {"model": model_state, "optimizer": optim_state, "step_count": self.step_count}
         state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                  "step_count": self.step_count}
         if self.reference is not None:
@@ -276,6 +305,41 @@ class GRPOTrainer:
         if self.reference is not None:
             self.reference.load_state_dict(state["reference"])
         self.step_count = int(state["step_count"])
+
+
+def _wrap(model: torch.nn.Module, parallel: Parallel, device: str) -> torch.nn.Module:
+    """DDP keeps `model` whole and wraps it; FSDP2 shards `model` in place (its parameters become
+    DTensors) and returns it."""
+    if parallel.mode == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        ids = [torch.device(device).index] if torch.device(device).type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=ids)
+    if parallel.mode == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in _decoder_layers(model):
+            fully_shard(layer)
+        return fully_shard(model)
+    return model
+
+
+def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated blocks FSDP shards one by one (Hugging Face's `_no_split_modules`)."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    return [m for m in model.modules() if type(m).__name__ in names]
+
+
+@contextmanager
+def _gradient_sync(forward_model: torch.nn.Module, parallel: Parallel, sync: bool):
+    if parallel.mode == "ddp" and not sync:
+        with forward_model.no_sync():
+            yield
+    elif parallel.mode == "fsdp":
+        forward_model.set_requires_gradient_sync(sync)
+        yield
+    else:
+        yield
 
 
 def _frozen_copy(model: torch.nn.Module) -> torch.nn.Module:

