@@ -419,7 +419,6 @@ class VLLMGenerator:
             offloader.restore()
         timer.memory("restore")
         m["generator/sleep_skipped"] = float(slept["skipped"])
-        m.update({f"memory/engine_asleep_{k}": float(v) for k, v in slept.items() if k != "skipped"})
         return self._rollouts(prompt_ids, out, sampling.n, m)
 
     def _push_ipc(self, model: torch.nn.Module) -> dict:

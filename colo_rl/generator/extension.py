@@ -11,7 +11,6 @@ and versions keep names 1:1.
 
 from __future__ import annotations
 
-import gc
 import pickle
 import time
 
@@ -126,18 +125,6 @@ class WeightSyncExtension:
             raise RuntimeError(f"after loading, engine parameters differ from the trainer's for "
                                f"{mismatched[:5]} ({len(mismatched)} tensors)")
         return {"map_s": map_s, "load_s": load_s, "tensors": len(entries), "readback_checked": checked}
-
-    def colo_rl_release_cached(self) -> dict:
-        """After sleep: hand the blocks this worker's caching allocator still keeps (sampler and
-        logits scratch, not in vLLM's sleep pools) back to the driver, and say what torch still
-        holds here, so that what a sleeping engine keeps can be told apart from its CUDA context."""
-        if not torch.cuda.is_available():
-            return {}
-        gc.collect()
-        reserved = torch.cuda.memory_reserved()
-        torch.cuda.empty_cache()
-        return {"released_gib": (reserved - torch.cuda.memory_reserved()) / 2**30,
-                "torch_reserved_gib": torch.cuda.memory_reserved() / 2**30}
 
     def _readback(self, expected: dict[str, int]) -> tuple[list[str], int]:
         """Compare checksums of the engine's parameters (the right slice of packed ones) with the

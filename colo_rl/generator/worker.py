@@ -103,10 +103,9 @@ class EngineServer:
         return {"skipped": not self.sleep_supported}
 
     def op_sleep(self, level: int) -> dict:
-        if not self.sleep_supported:
-            return {"skipped": True}
-        self.llm.sleep(level=level)
-        return {"skipped": False, **self.llm.collective_rpc("colo_rl_release_cached")[0]}
+        if self.sleep_supported:
+            self.llm.sleep(level=level)
+        return {"skipped": not self.sleep_supported}
 
     def op_load_file(self, path: str, fingerprint: str) -> dict:
         return self.llm.collective_rpc("colo_rl_load_file", args=(path, fingerprint))[0]

@@ -7,7 +7,7 @@ import torch
 
 from colo_rl.config import ModelConfig, TrainerConfig
 from colo_rl.models import load_policy, write_embedded_model
-from colo_rl.trainer import GRPOTrainer, Offloader
+from colo_rl.trainer import GRPOTrainer, Offloader, offload
 
 PROMPTS = [[5, 6, 7], [8, 9]]
 COMPLETIONS = [[10, 11, 2], [12], [13, 14, 15, 16], [17, 2]]
@@ -89,7 +89,12 @@ def test_identity_and_keys_survive_and_host_buffers_are_reused(model_dir):
     assert all(int(t) == 1 for t in step_tensors)
 
 
-def test_restore_carves_each_part_from_one_aligned_allocation_per_dtype(model_dir):
+@pytest.mark.parametrize("chunk_bytes", [None, 4096])
+def test_restore_carves_tensors_from_few_aligned_allocations(model_dir, monkeypatch, chunk_bytes):
+    """Restore allocates runs of same-dtype tensors up to offload._CHUNK_BYTES (the embedded
+    model fits one run per dtype by default; 4 KiB forces many), never overlapping, 512-aligned."""
+    if chunk_bytes is not None:
+        monkeypatch.setattr(offload, "_CHUNK_BYTES", chunk_bytes)
     trainer = stepped_trainer(model_dir)
     before = snapshot(trainer)
     offloader = Offloader(trainer.model, trainer.optimizer, "all")
@@ -99,8 +104,16 @@ def test_restore_carves_each_part_from_one_aligned_allocation_per_dtype(model_di
     for prefix in ("param:", "state:"):
         tensors = [t for k, t in state_tensors(trainer).items()
                    if k.startswith(prefix) and not k.endswith(":step")]
-        storages = {(t.dtype, t.untyped_storage().data_ptr()) for t in tensors}
-        assert len(storages) == len({t.dtype for t in tensors}), f"{prefix} not one allocation per dtype"
+        by_storage: dict[int, list[torch.Tensor]] = {}
+        for t in tensors:
+            by_storage.setdefault(t.untyped_storage().data_ptr(), []).append(t)
+        if chunk_bytes is None:
+            assert len(by_storage) == len({t.dtype for t in tensors}), f"{prefix} not one allocation per dtype"
+        else:
+            assert len(tensors) > len(by_storage) > len({t.dtype for t in tensors})
+        for run in by_storage.values():
+            assert len({t.dtype for t in run}) == 1
+            assert len(run) == 1 or sum(t.nbytes for t in run) <= offload._CHUNK_BYTES
         # offsets from the allocation's start (CUDA allocations themselves start 512-aligned)
         assert all((t.data_ptr() - t.untyped_storage().data_ptr()) % 512 == 0 for t in tensors), \
             f"{prefix} view not 512-byte aligned"
