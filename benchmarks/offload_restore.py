@@ -5,10 +5,12 @@
 The trainer state of the 1B OLMo-2 shape after one GRPO step (bf16 params + AdamW moments,
 ~8.9 GB) is offloaded to colo_rl's pinned host buffers, then restored after `empty_cache` (as
 after a generation, when the engine had the memory) in several ways, each --repeats times:
-  - per_tensor: one `torch.empty_like` per tensor, then its copy (colo_rl before 2026-12-03);
-  - chunk_<MiB>: the Offloader as it is, with runs of same-dtype tensors of at most that size
-    per allocation (`offload._CHUNK_BYTES`; `chunk_inf` = one allocation per dtype);
+  - per_tensor: one `torch.empty_like` per tensor, then its copy: what `Offloader.restore` does;
+  - chunk_<MiB>: runs of same-dtype tensors of at most that size carved from one allocation
+    each, 512-byte aligned (`chunk_inf`: one allocation per dtype);
   - malloc_only: `torch.empty` of the whole state, no copy: what mapping fresh pages costs.
+On 2026-12-03 per_tensor was fastest (93% of the pinned bandwidth; benchmarks/RESULTS.md), so the
+Offloader keeps one allocation per tensor.
 Every restore is checked against the state before the first offload (an exact
 checksum per tensor, on the GPU). Bandwidths are
 bytes restored per second of wall clock (synchronised), next to a 4 GiB pinned copy.
@@ -32,16 +34,42 @@ GB = 1e9
 
 
 def restore_per_tensor(offloader) -> None:
-    """The earlier restore: an allocation per tensor, each followed by its copy."""
+    """Offloader.restore's layout: an allocation per tensor, each followed by its copy."""
+    offloader.restore()
+
+
+def restore_chunked(offloader, chunk_bytes: int) -> None:
+    """Runs of same-dtype tensors of at most `chunk_bytes`, each carved from one allocation with
+    512-byte aligned views; a run's copies are issued before the next run is allocated."""
     import torch
 
     for part in sorted(offloader.offloaded):
-        for tensor, device in offloader._moved[part]:
-            on_device = torch.empty_like(tensor.data, device=device)
-            on_device.copy_(tensor.data, non_blocking=True)
-            tensor.data = on_device
+        runs: dict[torch.dtype, list[torch.Tensor]] = {}
+        for tensor, _ in offloader._moved[part]:
+            run = runs.setdefault(tensor.dtype, [])
+            if run and sum(t.nbytes for t in run) + tensor.nbytes > chunk_bytes:
+                _restore_run(run, offloader.device)
+                run = runs[tensor.dtype] = []
+            run.append(tensor)
+        for run in runs.values():
+            _restore_run(run, offloader.device)
     torch.cuda.synchronize()
     offloader.offloaded.clear()
+
+
+def _restore_run(run, device) -> None:
+    import torch
+
+    align = 512 // run[0].element_size()
+    offsets, total = [], 0
+    for tensor in run:
+        offsets.append(-(-total // align) * align)
+        total = offsets[-1] + tensor.numel()
+    flat = torch.empty(total, dtype=run[0].dtype, device=device)
+    for tensor, offset in zip(run, offsets):
+        view = flat[offset:offset + tensor.numel()].view(tensor.shape)
+        view.copy_(tensor.data, non_blocking=True)
+        tensor.data = view
 
 
 def main(argv=None) -> int:
@@ -57,7 +85,7 @@ def main(argv=None) -> int:
         raise SystemExit("offload_restore.py measures CUDA allocations and copies: run it on a GPU")
     from colo_rl.generator.staging import tensor_checksum
     from colo_rl.models import write_embedded_model
-    from colo_rl.trainer import Offloader, offload
+    from colo_rl.trainer import Offloader
 
     cfg = model_config(args.model)
     with tempfile.TemporaryDirectory() as work:
@@ -86,16 +114,11 @@ def main(argv=None) -> int:
     cycle(offloader.restore)  # allocates the pinned host buffers once
     strategies = {"per_tensor": lambda: restore_per_tensor(offloader)}
     for mib in (64, 256, 1024, None):
-        def chunked(mib=mib):
-            offload._CHUNK_BYTES = mib * MIB if mib else 2**62
-            offloader.restore()
-        strategies[f"chunk_{mib or 'inf'}"] = chunked
-    default_chunk = offload._CHUNK_BYTES
+        strategies[f"chunk_{mib or 'inf'}"] = lambda mib=mib: restore_chunked(offloader, mib * MIB if mib else 2**62)
     for name, restore in strategies.items():
         seconds = [cycle(restore) for _ in range(args.repeats)]
         results["strategies"][name] = {"seconds": seconds, "median_s": median(seconds),
                                        "gbps": total / median(seconds) / GB}
-    offload._CHUNK_BYTES = default_chunk
     offloader.offload()
     mallocs = []
     for _ in range(args.repeats):

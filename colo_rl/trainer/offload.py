@@ -15,12 +15,6 @@ import torch
 
 POLICY_PARTS = {"all": ("optimizer", "params"), "optimizer": ("optimizer",), "none": ()}
 PARTS = ("optimizer", "params")
-_ALIGN_BYTES = 512
-# Restore allocates device memory in runs of same-dtype tensors of up to this size. After
-# empty_cache every allocation is a fresh cudaMalloc that maps pages: one per tensor (hundreds)
-# or one per dtype (GiBs, before the first copy can start) both left restore at 52-62% of the
-# pinned copy bandwidth on the H200; chunks let the copy of one run overlap the next allocation.
-_CHUNK_BYTES = 256 * 2**20
 
 
 class Offloader:
@@ -105,26 +99,14 @@ class Offloader:
 
     def _restore_part(self, part: str, journal: list) -> int:
         nbytes = 0
-        for chunk in _chunks([tensor for tensor, _ in self._moved[part]]):
-            for tensor, on_device in zip(chunk, self._carve([t.data for t in chunk])):
-                host = tensor.data
-                on_device.copy_(host, non_blocking=self._cuda)
-                journal.append((tensor, host))
-                tensor.data = on_device
-                nbytes += host.nbytes
+        for tensor, device in self._moved[part]:
+            host = tensor.data
+            on_device = torch.empty_like(host, device=device)
+            on_device.copy_(host, non_blocking=self._cuda)
+            journal.append((tensor, host))
+            tensor.data = on_device
+            nbytes += host.nbytes
         return nbytes
-
-    def _carve(self, hosts: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Device tensors shaped like `hosts` (one dtype), views into one fresh allocation, each
-        starting on a 512-byte boundary so vectorised kernels see aligned memory."""
-        align = max(1, _ALIGN_BYTES // hosts[0].element_size())
-        offsets, total = [], 0
-        for host in hosts:
-            offsets.append(-(-total // align) * align)
-            total = offsets[-1] + host.untyped_storage().nbytes() // host.element_size()
-        flat = torch.empty(total, dtype=hosts[0].dtype, device=self.device)
-        return [torch.as_strided(flat, h.shape, h.stride(), start + h.storage_offset())
-                for h, start in zip(hosts, offsets)]
 
     def _tensors(self, part: str) -> Iterator[tuple[str, torch.Tensor]]:
         if part == "params":
@@ -152,16 +134,3 @@ class Offloader:
 
     def _free_bytes(self) -> int:
         return torch.cuda.mem_get_info(self.device)[0] if self._cuda else 0
-
-
-def _chunks(tensors: list[torch.Tensor]) -> Iterator[list[torch.Tensor]]:
-    """Runs of same-dtype tensors of at most _CHUNK_BYTES each (a larger tensor is a run of its
-    own), each yielded as soon as it is full so that its copies start before the next allocation."""
-    runs: dict[torch.dtype, list[torch.Tensor]] = {}
-    for tensor in tensors:
-        run = runs.setdefault(tensor.dtype, [])
-        if run and sum(t.nbytes for t in run) + tensor.nbytes > _CHUNK_BYTES:
-            yield run
-            run = runs[tensor.dtype] = []
-        run.append(tensor)
-    yield from runs.values()

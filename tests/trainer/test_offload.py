@@ -7,7 +7,7 @@ import torch
 
 from colo_rl.config import ModelConfig, TrainerConfig
 from colo_rl.models import load_policy, write_embedded_model
-from colo_rl.trainer import GRPOTrainer, Offloader, offload
+from colo_rl.trainer import GRPOTrainer, Offloader
 
 PROMPTS = [[5, 6, 7], [8, 9]]
 COMPLETIONS = [[10, 11, 2], [12], [13, 14, 15, 16], [17, 2]]
@@ -87,38 +87,6 @@ def test_identity_and_keys_survive_and_host_buffers_are_reused(model_dir):
     assert {id(p): set(s) for p, s in trainer.optimizer.state.items()} == keys
     assert all(s["step"] is t for s, t in zip(trainer.optimizer.state.values(), step_tensors))
     assert all(int(t) == 1 for t in step_tensors)
-
-
-@pytest.mark.parametrize("chunk_bytes", [None, 4096])
-def test_restore_carves_tensors_from_few_aligned_allocations(model_dir, monkeypatch, chunk_bytes):
-    """Restore allocates runs of same-dtype tensors up to offload._CHUNK_BYTES (the embedded
-    model fits one run per dtype by default; 4 KiB forces many), never overlapping, 512-aligned."""
-    if chunk_bytes is not None:
-        monkeypatch.setattr(offload, "_CHUNK_BYTES", chunk_bytes)
-    trainer = stepped_trainer(model_dir)
-    before = snapshot(trainer)
-    offloader = Offloader(trainer.model, trainer.optimizer, "all")
-    offloader.offload()
-    offloader.restore()
-    assert_same_values(trainer, before)
-    for prefix in ("param:", "state:"):
-        tensors = [t for k, t in state_tensors(trainer).items()
-                   if k.startswith(prefix) and not k.endswith(":step")]
-        by_storage: dict[int, list[torch.Tensor]] = {}
-        for t in tensors:
-            by_storage.setdefault(t.untyped_storage().data_ptr(), []).append(t)
-        if chunk_bytes is None:
-            assert len(by_storage) == len({t.dtype for t in tensors}), f"{prefix} not one allocation per dtype"
-        else:
-            assert len(tensors) > len(by_storage) > len({t.dtype for t in tensors})
-        for run in by_storage.values():
-            assert len({t.dtype for t in run}) == 1
-            assert len(run) == 1 or sum(t.nbytes for t in run) <= offload._CHUNK_BYTES
-        # offsets from the allocation's start (CUDA allocations themselves start 512-aligned)
-        assert all((t.data_ptr() - t.untyped_storage().data_ptr()) % 512 == 0 for t in tensors), \
-            f"{prefix} view not 512-byte aligned"
-        spans = sorted((t.data_ptr(), t.data_ptr() + t.nbytes) for t in tensors)
-        assert all(end <= nxt for (_, end), (nxt, _) in zip(spans, spans[1:])), "views overlap"
 
 
 def test_policy_optimizer_leaves_the_weights_and_none_moves_nothing(model_dir):
