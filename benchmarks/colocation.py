@@ -48,6 +48,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=256, help="new tokens per completion")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     p.add_argument("--bandwidth-gib", type=int, default=4, help="size of the copy-bandwidth buffers")
+    p.add_argument("--engine-core-process", action="store_true",
+                   help="run vLLM's engine core in its own process (generator.in_process=false), "
+                        "as the bare vLLM run does, instead of inside the worker")
     return p.parse_args(argv)
 
 
@@ -245,7 +248,7 @@ def colocated(args, trainer, model_dir: Path, prompts, sampling, log_dir: Path) 
     cfg = GeneratorConfig(weight_sync="cuda_ipc", gpu_memory_utilization=args.gpu_memory_utilization,
                           max_model_len=args.prompt_len + args.max_tokens,
                           max_num_seqs=max(256, args.prompts * args.n), enforce_eager=False,
-                          staging_dir=staging_dir(weight_bytes))
+                          staging_dir=staging_dir(weight_bytes), in_process=not args.engine_core_process)
     result = {"generator_config": dataclasses.asdict(cfg),
               "free_before_engine_start_gib": free_gib()}
     generator = VLLMGenerator(cfg, model_dir=model_dir, dtype="bfloat16", log_dir=log_dir)

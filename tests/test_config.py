@@ -8,7 +8,7 @@ from omegaconf import OmegaConf
 
 from colo_rl.config import ConfigError, RunConfig, validate
 
-from .conftest import CONF, EXPERIMENTS, compose_config
+from .conftest import CONF, EXPERIMENTS, compose_config, engine_processes
 
 CHOICES = sorted({(p.parent.name, p.stem) for p in CONF.glob("*/*.yaml") if p.parent.name != "hydra"})
 EXPERIMENT_NAMES = sorted(p.stem for p in (EXPERIMENTS / "experiment").glob("*.yaml"))
@@ -73,6 +73,7 @@ def test_wrong_type_fails_at_compose_naming_the_key():
     ("model.prompt_template=no_placeholder", "model.prompt_template"),
     ("generator.python=/nonexistent/python", "generator.python"),
     ("trainer.resume=/nonexistent/checkpoint", "trainer.resume"),
+    ("trainer.parallel=zero3", "trainer.parallel"),
 ])
 def test_out_of_range_values_fail_in_validate_naming_the_key(override, key):
     with pytest.raises(ConfigError, match=key.replace("(", r"\(")):
@@ -84,6 +85,22 @@ def test_contradictions_are_refused_naming_both_keys():
         validate(compose_config("sampling=greedy", "trainer.advantage_norm=std"))
     with pytest.raises(ConfigError, match="cuda_ipc.*trainer.device=cpu"):
         validate(compose_config("generator.weight_sync=cuda_ipc", "trainer.device=cpu"))
+    with pytest.raises(ConfigError, match="trainer.offload='all' must be none with trainer.parallel=fsdp"):
+        validate(compose_config("trainer.parallel=fsdp"))
+    with pytest.raises(ConfigError, match="trainer.kl_coef=0.1 must be 0 with trainer.parallel=fsdp"):
+        validate(compose_config("trainer.parallel=fsdp", "trainer.offload=none", "trainer.kl_coef=0.1"))
+
+
+def test_data_parallel_outside_torchrun_stops_before_any_engine_saying_how_to_run_it(tmp_path, monkeypatch):
+    from colo_rl.parallel import ParallelError
+    from colo_rl.run import train
+
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    before = engine_processes()
+    with pytest.raises(ParallelError, match="torchrun --nproc_per_node=N -m colo_rl.run trainer.parallel=ddp"):
+        train(compose_config("trainer.parallel=ddp", f"output_dir={tmp_path}", "logger=none"))
+    assert engine_processes() == before and not (tmp_path / "engine.log").exists()
 
 
 def test_greedy_sampling_is_one_completion_at_temperature_zero():

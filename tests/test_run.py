@@ -61,6 +61,16 @@ def test_logger_none_writes_metrics_jsonl_only(tmp_path, engine):
     assert not (tmp_path / "wandb").exists()
 
 
+def test_the_tiny_smoke_experiment_runs_with_an_offline_wandb_run(tmp_path, engine):
+    result = train(compose_config("experiment=tiny_smoke", f"output_dir={tmp_path}",
+                                  "logger.progress=false"), engine)
+    assert [r["train/step"] for r in read_metrics(tmp_path)] == [0, 1, 2]
+    assert all(r["rollout/tokens"] > 0 for r in result.records)
+    assert result.wandb_config["logger"]["tags"] == ["smoke"]
+    assert result.wandb_config["sampling"]["n"] == 4
+    assert list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+
+
 def test_missing_hub_model_stops_before_any_engine_naming_it(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ModelNotAvailableError, match="allenai/OLMo-2-0425-1B is not in the local "
