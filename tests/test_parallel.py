@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -25,14 +24,16 @@ from colo_rl.run import train
 from .conftest import ROOT, compose_config, small_run_overrides
 
 STEPS = 2
+# 16 tokens without EOS: the seeded random policy then earns some reward in both steps (with 8
+# tokens every reward of both steps is 0, every advantage too, and nothing would train)
 OVERRIDES = [f"trainer.steps={STEPS}", "trainer.prompts_per_step=4", "sampling.n=4",
-             "sampling.max_tokens=8", "logger=none", "logger.progress=false"]
+             "sampling.max_tokens=16", "sampling.ignore_eos=true", "logger=none", "logger.progress=false"]
 
 
 def torchrun(nproc: int, *overrides: str, **kwargs) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-                             "--master_port=0", "-m", "colo_rl.run", *overrides],
+                             "--standalone", "-m", "colo_rl.run", *overrides],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True, **kwargs)
 
@@ -42,11 +43,19 @@ def model_state(output_dir: Path) -> dict[str, torch.Tensor]:
     return payload["trainer"]["model"]
 
 
-def kill_group(proc: subprocess.Popen) -> None:
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL torchrun and every process below it. torchrun starts each rank in a session of
+    its own and each rank its engine worker in another, so one killpg would not reach them."""
     try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+        tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        tree = []
+    for process in tree:
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            pass
+    proc.wait(timeout=30)
 
 
 @pytest.mark.slow
@@ -58,7 +67,7 @@ def test_two_ranks_train_like_one_process_over_the_same_global_batch(mode, tmp_p
     try:
         out, _ = proc.communicate(timeout=600)
     finally:
-        kill_group(proc)
+        kill_tree(proc)
     assert proc.returncode == 0, out[-4000:]
     one = train(compose_config(*small_run_overrides(tmp_path / "one", *OVERRIDES,
                                                     "trainer.offload=none")), engine)
@@ -127,4 +136,4 @@ def test_killing_one_rank_brings_down_the_other_and_both_engines(tmp_path):
                      if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
         assert survivors == [], f"still running after rank 1 was killed: {survivors}\n{out[-3000:]}"
     finally:
-        kill_group(proc)
+        kill_tree(proc)
