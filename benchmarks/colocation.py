@@ -269,6 +269,10 @@ def colocated(args, trainer, model_dir: Path, prompts, sampling, log_dir: Path) 
                 rollouts = generator.generate(prompts, sampling, model=trainer.model, offloader=offloader,
                                               seed=0)
                 steps.append(step_record(rollouts, offloader))
+                # The same restore again at once, the engine asleep and nothing just released by
+                # it: in-step restores ran at 56-62% of the pinned bandwidth, isolated ones at 93%.
+                offloader.offload()
+                steps[-1]["offloader/restore_again_s"] = offloader.restore()["seconds"]
                 log(f"{mode} step {step + 1}/{args.steps}: total {steps[-1]['timing/generator_total_s']:.2f} s, "
                     f"generate {steps[-1]['timing/generate_s']:.2f} s, "
                     f"{steps[-1]['rollout/tokens_per_s']:.0f} tokens/s")
