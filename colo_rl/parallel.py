@@ -104,10 +104,6 @@ class Parallel:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
-    def barrier(self) -> None:
-        if self.enabled:
-            dist.barrier()
-
     def close(self) -> None:
         if self.enabled and dist.is_initialized():
             dist.destroy_process_group()

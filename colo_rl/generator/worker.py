@@ -122,13 +122,12 @@ class EngineServer:
         from vllm.inputs import TokensPrompt
 
         seed = sampling.pop("seed", None)
-        if isinstance(seed, list):  # one seed per prompt: samples do not depend on the batch
-            if len(seed) != len(prompts):
-                raise ValueError(f"{len(seed)} seeds for {len(prompts)} prompts")
-            per_prompt = [SamplingParams(**sampling, seed=s) for s in seed]
-        else:
-            per_prompt = SamplingParams(**sampling, seed=seed)
-        params = per_prompt[0] if isinstance(per_prompt, list) else per_prompt
+        # one seed per prompt (samples then do not depend on the batch), or one for all of them
+        seeds = seed if isinstance(seed, list) else [seed] * len(prompts)
+        if len(seeds) != len(prompts):
+            raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
+        per_prompt = [SamplingParams(**sampling, seed=s) for s in seeds]
+        params = per_prompt[0] if per_prompt else SamplingParams(**sampling)
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], per_prompt,
                                     use_tqdm=False)
         if len(outputs) != len(prompts):
