@@ -7,7 +7,9 @@ the same model directory, prompts and sampling as its colocated steps. request.j
     {"engine_kwargs": {vllm.LLM keyword arguments}, "prompts": [[token ids], ...],
      "sampling": {vllm.SamplingParams keyword arguments}, "repeats": 3}
 It times the engine start, one warm-up generate, then `repeats` generates, and writes the raw
-seconds and token counts plus their median tokens/s to result.json.
+seconds and token counts plus their median tokens/s to result.json. The prefix cache is reset
+before every generate, as colo_rl does after each weight push: otherwise a repeat of the same
+prompts skips their prefill, which no RL step can.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def timed_generate(llm, prompts, params) -> tuple[float, int]:
     """(seconds, generated tokens) of one generate call; it returns once every request is done."""
+    llm.reset_prefix_cache()
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start

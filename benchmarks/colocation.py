@@ -220,6 +220,7 @@ def recording_offloader(trainer):
 def step_record(rollouts, offloader) -> dict:
     """One step's generator metrics plus the offloader's own bytes and seconds."""
     record = dict(rollouts.metrics)
+    record["ended_unix_s"] = time.time()  # to line steps up with a clock log (nvidia-smi -lms)
     for kind in ("offload", "restore"):
         calls = [r for k, r in offloader.calls if k == kind]
         record[f"offloader/{kind}_bytes"] = sum(r["bytes"] for r in calls)
@@ -293,7 +294,7 @@ def bare_vllm(args, model_dir: Path, prompts, sampling_params: dict, work: Path)
                                      dtype="bfloat16", gpu_memory_utilization=args.gpu_memory_utilization,
                                      enforce_eager=False, max_model_len=args.prompt_len + args.max_tokens,
                                      max_num_seqs=max(256, args.prompts * args.n), seed=0),
-               "prompts": prompts, "sampling": sampling_params, "repeats": 3}
+               "prompts": prompts, "sampling": sampling_params, "repeats": 5}
     json_in, json_out = work / "bare_in.json", work / "bare_out.json"
     json_in.write_text(json.dumps(request))
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bare_vllm.py"), "--json-in", str(json_in),
@@ -344,6 +345,11 @@ def print_table(rows) -> None:
         print(f"{label:{width}}  {a:>18}  {b:>18}")
 
 
+def save(path: Path, results: dict) -> None:
+    """Written after every section: a run cut off by a time limit keeps what it measured."""
+    path.write_text(json.dumps(results, indent=1))
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
@@ -379,16 +385,19 @@ def main(argv=None) -> int:
         del state
         log(f"trainer state {results['trainer_state_bytes'] / GB:.2f} GB; measuring copy bandwidth")
         results["hardware"] = hardware_limits(args.bandwidth_gib)
+        save(args.out, results)
         log("naive staging baseline")
         weight_bytes = sum(p.nbytes for p in trainer.model.parameters())
         results["naive_staging"] = naive_staging(trainer, staging_dir(weight_bytes))
+        save(args.out, results)
         results["colocated"] = colocated(args, trainer, model_dir, prompts, sampling, log_dir)
+        save(args.out, results)
         del trainer
         torch.cuda.empty_cache()
         log("bare vLLM in a subprocess")
         results["bare_vllm"] = bare_vllm(args, model_dir, prompts, results["sampling"], work)
     results["wall_s"] = time.perf_counter() - started
-    args.out.write_text(json.dumps(results, indent=1))
+    save(args.out, results)
     print_table(summary_rows(results))
     log(f"done in {results['wall_s']:.0f} s; raw numbers in {args.out}")
     return 0

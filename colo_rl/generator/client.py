@@ -412,6 +412,8 @@ class VLLMGenerator:
         with timer.phase("generate"):
             out = self.process.request("generate", timeout=r, prompts=prompt_ids,
                                        sampling=self._sampling_params(sampling, seed))
+        # llm.generate alone, and the garbage collector's pauses of the engine's process inside it
+        m.update({f"generator/{k}": float(v) for k, v in out.pop("stats", {}).items()})
         with timer.phase("sleep"):
             slept = self.process.request("sleep", timeout=r, level=self.cfg.sleep_level)
         timer.memory("sleep")

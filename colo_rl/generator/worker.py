@@ -8,6 +8,7 @@ another interpreter: this is the only colo_rl module that imports vllm.
 from __future__ import annotations
 
 import ctypes
+import gc
 import json
 import os
 import queue
@@ -61,6 +62,26 @@ def accept_trainer(listener: Listener) -> Connection:
 
     threading.Thread(target=serve_accepts, name="colo_rl-accept", daemon=True).start()
     return first.get()
+
+
+class GCPauses:
+    """Seconds the garbage collector stopped this process, and its collections per generation,
+    while the block runs: with the engine core in this process a pause stalls generation too."""
+
+    def __enter__(self) -> "GCPauses":
+        self.seconds, self.collections, self._began = 0.0, [0, 0, 0], 0.0
+        gc.callbacks.append(self._on_gc)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._began = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._began
+            self.collections[info["generation"]] += 1
 
 
 class EngineServer:
@@ -128,8 +149,11 @@ class EngineServer:
             raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
         per_prompt = [SamplingParams(**sampling, seed=s) for s in seeds]
         params = per_prompt[0] if per_prompt else SamplingParams(**sampling)
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], per_prompt,
-                                    use_tqdm=False)
+        start = time.perf_counter()
+        with GCPauses() as pauses:
+            outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], per_prompt,
+                                        use_tqdm=False)
+        engine_s = time.perf_counter() - start
         if len(outputs) != len(prompts):
             raise RuntimeError(f"engine returned {len(outputs)} outputs for {len(prompts)} prompts")
         token_ids, texts, logprobs, finish = [], [], [], []
@@ -144,7 +168,9 @@ class EngineServer:
                 if params.logprobs is not None:
                     logprobs.append([step[t].logprob for t, step in zip(o.token_ids, o.logprobs)])
         return {"token_ids": token_ids, "texts": texts, "finish_reasons": finish,
-                "logprobs": logprobs if params.logprobs is not None else None}
+                "logprobs": logprobs if params.logprobs is not None else None,
+                "stats": {"engine_generate_s": engine_s, "gc_pause_s": pauses.seconds,
+                          "gc_full_collections": pauses.collections[2]}}
 
     def close(self) -> None:
         if self.llm is not None:

@@ -79,6 +79,10 @@ def test_step_metadata_has_every_phase(engine, tiny_policy):
                   "sleep", "restore", "wake", "generator_total"):
         assert m[f"timing/{phase}_s"] >= 0, phase
     assert m["generator/sleep_skipped"] == 1.0  # vLLM has no sleep mode on CPU
+    # llm.generate inside the engine's process, without the request's round trip
+    assert 0 < m["generator/engine_generate_s"] < m["timing/generate_s"]
+    assert 0 <= m["generator/gc_pause_s"] < m["generator/engine_generate_s"]
+    assert m["generator/gc_full_collections"] >= 0
     assert m["rollout/tokens"] == sum(map(len, engine.generate(PROMPTS, GREEDY, model=tiny_policy).completion_ids))
 
 
