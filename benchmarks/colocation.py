@@ -203,6 +203,7 @@ def recording_offloader(trainer):
         def __init__(self, *args):
             super().__init__(*args)
             self.calls: list[tuple[str, dict]] = []
+            self.probe: str | None = None  # see restore_probes()
 
         def offload(self, parts=("optimizer", "params")):
             result = super().offload(parts)
@@ -210,7 +211,19 @@ def recording_offloader(trainer):
             return result
 
         def restore(self):
-            result = super().restore()
+            import torch
+
+            probe = {}
+            if self.probe == "alloc_first":  # one device block for everything, timed alone
+                nbytes = sum(t.data.nbytes for part in self.offloaded for t, _ in self._moved[part])
+                start = time.perf_counter()
+                block = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+                torch.cuda.synchronize()
+                probe["alloc_s"] = time.perf_counter() - start
+                del block  # cached by torch's allocator: the restore below carves its tensors from it
+            elif self.probe == "wait_first":
+                time.sleep(1.0)
+            result = {**super().restore(), **probe}
             self.calls.append(("restore", result))
             return result
 
@@ -225,6 +238,7 @@ def step_record(rollouts, offloader) -> dict:
         calls = [r for k, r in offloader.calls if k == kind]
         record[f"offloader/{kind}_bytes"] = sum(r["bytes"] for r in calls)
         record[f"offloader/{kind}_s"] = sum(r["seconds"] for r in calls)
+    record["offloader/restore_alloc_s"] = sum(r.get("alloc_s", 0.0) for k, r in offloader.calls if k == "restore")
     record["weight_sync_s"] = record.get("timing/stage_s", 0.0) + record["timing/weight_load_s"]
     record["switch_overhead_s"] = record["timing/generator_total_s"] - record["timing/generate_s"]
     record["completion_tokens_mean"] = record["rollout/mean_length"]
@@ -276,10 +290,35 @@ def colocated(args, trainer, model_dir: Path, prompts, sampling, log_dir: Path) 
                 steps[-1]["offloader/restore_again_s"] = offloader.restore()["seconds"]
                 log(f"{mode} step {step + 1}/{args.steps}: total {steps[-1]['timing/generator_total_s']:.2f} s, "
                     f"generate {steps[-1]['timing/generate_s']:.2f} s, "
-                    f"{steps[-1]['rollout/tokens_per_s']:.0f} tokens/s")
+                    f"{steps[-1]['rollout/tokens_per_s']:.0f} tokens/s, "
+                    f"GC pauses in it {steps[-1]['generator/gc_pause_s']:.2f} s, "
+                    f"restore {steps[-1]['offloader/restore_s']:.3f} s then {steps[-1]['offloader/restore_again_s']:.3f} s")
             result[mode] = {"steps": steps, "median": medians(steps)}
+        result["restore_probes"] = restore_probes(generator, trainer, offloader, prompts, sampling)
     result["engine_held_asleep_gib"] = result["free_before_engine_start_gib"] - result["free_engine_asleep_gib"]
     return result
+
+
+def restore_probes(generator, trainer, offloader, prompts, sampling, steps: int = 3) -> dict:
+    """Where does the in-step restore lose time (56-62% of the pinned bandwidth, against 93%
+    when the trainer restores what it freed itself)? Extra cuda_ipc steps, outside the table:
+    alloc_first allocates the device memory in one block, timed alone, before the copies;
+    wait_first waits 1 s after the engine's sleep before restoring."""
+    generator.weight_sync = "cuda_ipc"
+    probes = {}
+    for probe in ("alloc_first", "wait_first"):
+        offloader.probe = probe
+        records = []
+        for _ in range(steps):
+            offloader.calls.clear()
+            rollouts = generator.generate(prompts, sampling, model=trainer.model, offloader=offloader, seed=0)
+            records.append(step_record(rollouts, offloader))
+        probes[probe] = {"steps": records, "median": medians(records)}
+        m = probes[probe]["median"]
+        log(f"restore probe {probe}: restore {m['offloader/restore_s']:.3f} s, "
+            f"allocation {m['offloader/restore_alloc_s']:.3f} s")
+    offloader.probe = None
+    return probes
 
 
 def medians(steps: list[dict]) -> dict:
