@@ -89,6 +89,17 @@ class CollectorOff:
             self.collections += 1
 
 
+def sampled_logprobs(token_ids: list[int], positions) -> list[float]:
+    """The log-prob of each sampled token. `positions` is vLLM's per-position logprobs: a
+    FlatLogprobs (each position's entries start with the sampled token) or a list of dicts."""
+    if hasattr(positions, "start_indices"):
+        firsts = positions.start_indices
+        if [positions.token_ids[i] for i in firsts] != token_ids:
+            raise RuntimeError("vLLM's flat logprobs do not start each position with the sampled token")
+        return [positions.logprobs[i] for i in firsts]
+    return [step[t].logprob for t, step in zip(token_ids, positions)]
+
+
 class EngineServer:
     """The operations the trainer may ask for; each returns plain data (picklable, no tensors).
 
@@ -163,15 +174,26 @@ class EngineServer:
         seeds = seed if isinstance(seed, list) else [seed] * len(prompts)
         if len(seeds) != len(prompts):
             raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
+        if sampling.get("logprobs") is not None and "flat_logprobs" in getattr(SamplingParams, "__struct_fields__", ()):
+            # a few flat lists per completion, not a dict and a Logprob object per token
+            sampling["flat_logprobs"] = True
         per_prompt = [SamplingParams(**sampling, seed=s) for s in seeds]
-        params = per_prompt[0] if per_prompt else SamplingParams(**sampling)
-        start = time.perf_counter()
+        # The conversion to plain lists is inside too: its allocations would set the collector off.
         with CollectorOff() as collector:
+            start = time.perf_counter()
             outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], per_prompt,
                                         use_tqdm=False)
-        engine_s = time.perf_counter() - start
-        if len(outputs) != len(prompts):
-            raise RuntimeError(f"engine returned {len(outputs)} outputs for {len(prompts)} prompts")
+            engine_s = time.perf_counter() - start
+            result = self._plain(outputs, len(prompts), per_prompt[0] if per_prompt else SamplingParams(**sampling))
+        result["stats"] = {"engine_generate_s": engine_s, "gc_pause_s": collector.seconds,
+                           "gc_collections": collector.collections, "gc_idle_collect_s": self.idle_gc_s}
+        return result
+
+    @staticmethod
+    def _plain(outputs, num_prompts: int, params) -> dict:
+        """vLLM's outputs as lists, completions grouped by prompt in index order."""
+        if len(outputs) != num_prompts:
+            raise RuntimeError(f"engine returned {len(outputs)} outputs for {num_prompts} prompts")
         token_ids, texts, logprobs, finish = [], [], [], []
         for i, request in enumerate(outputs):
             indices = sorted(o.index for o in request.outputs)
@@ -182,12 +204,9 @@ class EngineServer:
                 texts.append(o.text)
                 finish.append(o.finish_reason)
                 if params.logprobs is not None:
-                    logprobs.append([step[t].logprob for t, step in zip(o.token_ids, o.logprobs)])
+                    logprobs.append(sampled_logprobs(token_ids[-1], o.logprobs))
         return {"token_ids": token_ids, "texts": texts, "finish_reasons": finish,
-                "logprobs": logprobs if params.logprobs is not None else None,
-                "stats": {"engine_generate_s": engine_s, "gc_pause_s": collector.seconds,
-                          "gc_collections": collector.collections,
-                          "gc_idle_collect_s": self.idle_gc_s}}
+                "logprobs": logprobs if params.logprobs is not None else None}
 
     def after_reply(self, op: str) -> None:
         """Work nobody waits for: once `sleep` is answered the trainer has the GPU and trains."""

@@ -70,7 +70,13 @@ def test_n_completions_per_prompt_are_grouped_seeded_and_carry_logprobs(engine, 
     assert a.completion_ids == b.completion_ids and a.completion_ids != c.completion_ids
     assert len(set(map(tuple, a.completion_ids[:4]))) > 1  # a group is not one sample repeated
     assert [len(lp) for lp in a.logprobs] == [len(t) for t in a.completion_ids]
-    assert all(x <= 0 for lp in a.logprobs for x in lp)
+    # each is the log-prob of the token that was sampled, as the trainer computes it (fp32)
+    for i, (completion, logprobs) in enumerate(zip(a.completion_ids, a.logprobs)):
+        prompt = PROMPTS[i // 4]
+        with torch.no_grad():
+            logits = tiny_policy(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1:-1]
+        expected = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(logprobs), expected, atol=1e-4, rtol=0)
 
 
 def test_step_metadata_has_every_phase(engine, tiny_policy):
