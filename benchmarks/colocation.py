@@ -350,15 +350,16 @@ def summary_rows(results: dict) -> list[tuple[str, str, str]]:
     phases = [("offload", "timing/offload_s"), ("stage (file only)", "timing/stage_s"),
               ("wake weights", "timing/wake_weights_s"), ("weight load", "timing/weight_load_s"),
               ("weight sync (stage + load)", "weight_sync_s"), ("wake KV", "timing/wake_kv_s"),
-              ("generate", "timing/generate_s"), ("sleep", "timing/sleep_s"),
-              ("restore", "timing/restore_s"), ("generator total", "timing/generator_total_s"),
+              ("generate", "timing/generate_s"), ("  llm.generate in the worker", "generator/engine_generate_s"),
+              ("  GC pauses in it", "generator/gc_pause_s"), ("sleep", "timing/sleep_s"),
+              ("restore", "timing/restore_s"), ("  restore again, engine long asleep", "offloader/restore_again_s"), ("generator total", "timing/generator_total_s"),
               ("switch overhead (total - generate)", "switch_overhead_s")]
     def seconds(m: dict, key: str) -> str:
         return f"{m[key]:.3f} s" if key in m else "-"
 
     rows = [(label, seconds(ipc, key), seconds(file, key)) for label, key in phases]
     rows.append(("generate tokens/s", f"{ipc['rollout/tokens_per_s']:.0f}", f"{file['rollout/tokens_per_s']:.0f}"))
-    rows.append((f"  vs bare vLLM ({bare['tokens_per_s']:.0f} tokens/s)",
+    rows.append((f"  vs bare vLLM ({bare['tokens_per_s']:.0f} tokens/s, a later run: generate_ab.py pairs them)",
                  f"{ipc['rollout/tokens_per_s'] / bare['tokens_per_s']:.2f}x",
                  f"{file['rollout/tokens_per_s'] / bare['tokens_per_s']:.2f}x"))
     for kind, limit in (("offload", "d2h_pinned_gbps"), ("restore", "h2d_pinned_gbps")):
