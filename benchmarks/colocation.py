@@ -51,7 +51,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--engine-core-process", action="store_true",
                    help="run vLLM's engine core in its own process (generator.in_process=false), "
                         "as the bare vLLM run does, instead of inside the worker")
+    add_engine_kwargs_argument(p)
     return p.parse_args(argv)
+
+
+def add_engine_kwargs_argument(p: argparse.ArgumentParser) -> None:
+    def json_object(text: str) -> dict:
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise argparse.ArgumentTypeError(f"not JSON ({exc}): {text!r}") from None
+        if not isinstance(value, dict):
+            raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+        return value
+
+    p.add_argument("--engine-kwargs", type=json_object, default={}, metavar="JSON",
+                   help="more vllm.LLM keyword arguments for colo_rl's engine and bare vLLM alike "
+                        "(generator.engine_kwargs), e.g. '{\"compilation_config\": "
+                        "{\"max_cudagraph_capture_size\": 256}}'")
 
 
 @contextmanager
@@ -263,7 +280,8 @@ def colocated(args, trainer, model_dir: Path, prompts, sampling, log_dir: Path) 
     cfg = GeneratorConfig(weight_sync="cuda_ipc", gpu_memory_utilization=args.gpu_memory_utilization,
                           max_model_len=args.prompt_len + args.max_tokens,
                           max_num_seqs=max(256, args.prompts * args.n), enforce_eager=False,
-                          staging_dir=staging_dir(weight_bytes), in_process=not args.engine_core_process)
+                          staging_dir=staging_dir(weight_bytes), in_process=not args.engine_core_process,
+                          engine_kwargs=args.engine_kwargs)
     result = {"generator_config": dataclasses.asdict(cfg),
               "free_before_engine_start_gib": free_gib()}
     generator = VLLMGenerator(cfg, model_dir=model_dir, dtype="bfloat16", log_dir=log_dir)
@@ -332,7 +350,8 @@ def bare_vllm(args, model_dir: Path, prompts, sampling_params: dict, work: Path)
     request = {"engine_kwargs": dict(model=str(model_dir), tokenizer=str(model_dir), load_format="dummy",
                                      dtype="bfloat16", gpu_memory_utilization=args.gpu_memory_utilization,
                                      enforce_eager=False, max_model_len=args.prompt_len + args.max_tokens,
-                                     max_num_seqs=max(256, args.prompts * args.n), seed=0),
+                                     max_num_seqs=max(256, args.prompts * args.n), seed=0,
+                                     **args.engine_kwargs),
                "prompts": prompts, "sampling": sampling_params, "repeats": 5}
     json_in, json_out = work / "bare_in.json", work / "bare_out.json"
     json_in.write_text(json.dumps(request))

@@ -49,6 +49,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.35, help="each engine's share")
     p.add_argument("--engine-core-process", action="store_true",
                    help="colo_rl's engine core in its own process (generator.in_process=false)")
+    colocation.add_engine_kwargs_argument(p)
     return p.parse_args(argv)
 
 
@@ -101,7 +102,7 @@ def main(argv=None) -> int:
     gen_cfg = GeneratorConfig(gpu_memory_utilization=args.gpu_memory_utilization,
                               max_model_len=args.prompt_len + args.max_tokens,
                               max_num_seqs=max(256, args.prompts * args.n),
-                              in_process=not args.engine_core_process)
+                              in_process=not args.engine_core_process, engine_kwargs=args.engine_kwargs)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     log_dir = args.out.parent / f"{args.out.stem}_logs"
     log_dir.mkdir(exist_ok=True)
@@ -113,7 +114,8 @@ def main(argv=None) -> int:
         policy = load_policy(cfg, model_dir, "cuda" if cuda else "cpu")
         engine_kwargs = dict(model=str(model_dir), tokenizer=str(model_dir), load_format="dummy", dtype=cfg.dtype,
                              gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=not cuda,
-                             max_model_len=gen_cfg.max_model_len, max_num_seqs=gen_cfg.max_num_seqs, seed=0)
+                             max_model_len=gen_cfg.max_model_len, max_num_seqs=gen_cfg.max_num_seqs, seed=0,
+                             **args.engine_kwargs)
         log("starting bare vLLM")
         bare = BareServer({"engine_kwargs": engine_kwargs, "prompts": prompts, "sampling": results["sampling"]},
                           log_dir)
