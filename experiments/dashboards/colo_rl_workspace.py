@@ -61,6 +61,8 @@ def timing_section() -> ws.Section:
               ["timing/switch_overhead_frac"], range_y=(0, 1)),
         _line("engine starts (set-up, then restarts)", ["timing/server_start_s"], title_y="s"),
         _line("generation throughput", ["rollout/tokens_per_s"], title_y="tokens/s"),
+        _line("generate: the trainer's request, llm.generate in the engine, GC pauses in it",
+              ["timing/generate_s", "generator/engine_generate_s", "generator/gc_pause_s"], title_y="s"),
     ])
 
 
