@@ -123,6 +123,8 @@ def reduce_step_metrics(per_rank: list[dict[str, float]], rewards: list[list[flo
             for r, m in enumerate(per_rank):
                 if key in m:
                     merged[f"ranks/{r}/{key}"] = m[key]
+        elif key.startswith("generator/") and key.endswith("_s"):
+            merged[key] = max(values)  # the engine's own seconds (llm.generate, GC): the slowest rank's
         elif key in ("rollout/tokens", "train/response_tokens", "sync/tensors", "sync/bytes") \
                 or key.startswith("generator/"):
             merged[key] = sum(values)
