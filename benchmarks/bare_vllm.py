@@ -11,9 +11,8 @@ It times the engine start, one warm-up generate, then `repeats` generates, and w
 seconds and token counts plus their median tokens/s to result.json. With --serve it starts the
 engine, runs the warm-up generate, prints `READY`, then times one generate per `generate` line
 on stdin and answers each with a `RESULT {json}` line, until `quit` or end of input. The prefix
-cache is reset
-before every generate, as colo_rl does after each weight push: otherwise a repeat of the same
-prompts skips their prefill, which no RL step can.
+cache is reset before every generate, as colo_rl does after each weight push: otherwise a
+repeat of the same prompts skips their prefill, which no RL step can.
 """
 
 from __future__ import annotations

@@ -39,23 +39,26 @@ GB = 1e9  # bandwidths in GB/s, as copy bandwidths are usually quoted
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=5, help="measured steps per weight-sync mode (median)")
+    p.add_argument("--bandwidth-gib", type=int, default=4, help="size of the copy-bandwidth buffers")
+    add_workload_arguments(p, gpu_memory_utilization=0.5)
+    return p.parse_args(argv)
+
+
+def add_workload_arguments(p: argparse.ArgumentParser, gpu_memory_utilization: float) -> None:
+    """What both benchmarks generate, and with which engine settings (generate_ab.py shares them)."""
     p.add_argument("--out", required=True, type=Path, help="JSON file for every raw number")
     p.add_argument("--model", default="olmo2_1b_shape", help="a conf/model/NAME.yaml with source=embedded")
-    p.add_argument("--steps", type=int, default=5, help="measured steps per weight-sync mode (median)")
     p.add_argument("--prompts", type=int, default=32)
     p.add_argument("--n", type=int, default=8, help="completions per prompt")
     p.add_argument("--prompt-len", type=int, default=128, help="tokens per prompt")
     p.add_argument("--max-tokens", type=int, default=256, help="new tokens per completion")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.5)
-    p.add_argument("--bandwidth-gib", type=int, default=4, help="size of the copy-bandwidth buffers")
+    p.add_argument("--gpu-memory-utilization", type=float, default=gpu_memory_utilization,
+                   help="the share of the GPU each engine may take while awake")
     p.add_argument("--engine-core-process", action="store_true",
                    help="run vLLM's engine core in its own process (generator.in_process=false), "
                         "as the bare vLLM run does, instead of inside the worker")
-    add_engine_kwargs_argument(p)
-    return p.parse_args(argv)
 
-
-def add_engine_kwargs_argument(p: argparse.ArgumentParser) -> None:
     def json_object(text: str) -> dict:
         try:
             value = json.loads(text)
@@ -100,6 +103,36 @@ def model_config(name: str):
         raise SystemExit(f"--model {name}: model.source={cfg.source}; the benchmark builds random "
                          "weights and needs an embedded model (e.g. olmo2_1b_shape)")
     return cfg
+
+
+def workload(args, vocab_size: int):
+    """Fixed random token prompts and sampling with fixed lengths (ignore_eos): every step
+    generates exactly prompts x n x max_tokens tokens."""
+    from colo_rl.config import SamplingConfig
+
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, vocab_size) for _ in range(args.prompt_len)] for _ in range(args.prompts)]
+    sampling = SamplingConfig(n=args.n, temperature=1.0, max_tokens=args.max_tokens, seed=0, ignore_eos=True)
+    return prompts, sampling
+
+
+def generator_config(args, **overrides):
+    """colo_rl's engine settings for the workload; bare_engine_kwargs() gives bare vLLM the same."""
+    from colo_rl.config import GeneratorConfig
+
+    return GeneratorConfig(gpu_memory_utilization=args.gpu_memory_utilization,
+                           max_model_len=args.prompt_len + args.max_tokens,
+                           max_num_seqs=max(256, args.prompts * args.n),
+                           in_process=not args.engine_core_process, engine_kwargs=args.engine_kwargs,
+                           **overrides)
+
+
+def bare_engine_kwargs(args, model_dir: Path, dtype: str, enforce_eager: bool) -> dict:
+    """vllm.LLM arguments for bare vLLM: the same model, memory share, sizes and extra kwargs."""
+    cfg = generator_config(args)
+    return dict(model=str(model_dir), tokenizer=str(model_dir), load_format="dummy", dtype=dtype,
+                gpu_memory_utilization=cfg.gpu_memory_utilization, enforce_eager=enforce_eager,
+                max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs, seed=0, **cfg.engine_kwargs)
 
 
 def stepped_trainer(cfg, model_dir: Path, max_tokens: int):
@@ -247,6 +280,13 @@ def recording_offloader(trainer):
     return RecordingOffloader(trainer.model, trainer.optimizer, "all")
 
 
+def measured_step(generator, trainer, offloader, prompts, sampling) -> dict:
+    """One colocated step through the generator, and its record."""
+    offloader.calls.clear()
+    rollouts = generator.generate(prompts, sampling, model=trainer.model, offloader=offloader, seed=0)
+    return step_record(rollouts, offloader)
+
+
 def step_record(rollouts, offloader) -> dict:
     """One step's generator metrics plus the offloader's own bytes and seconds."""
     record = dict(rollouts.metrics)
@@ -272,16 +312,12 @@ def free_gib() -> float:
 
 def colocated(args, trainer, model_dir: Path, prompts, sampling, log_dir: Path) -> dict:
     """One engine; a warm-up step that starts it, then --steps steps per weight-sync mode."""
-    from colo_rl.config import GeneratorConfig
     from colo_rl.generator import VLLMGenerator
 
     offloader = recording_offloader(trainer)
     weight_bytes = sum(p.nbytes for p in trainer.model.parameters())
-    cfg = GeneratorConfig(weight_sync="cuda_ipc", gpu_memory_utilization=args.gpu_memory_utilization,
-                          max_model_len=args.prompt_len + args.max_tokens,
-                          max_num_seqs=max(256, args.prompts * args.n), enforce_eager=False,
-                          staging_dir=staging_dir(weight_bytes), in_process=not args.engine_core_process,
-                          engine_kwargs=args.engine_kwargs)
+    cfg = generator_config(args, weight_sync="cuda_ipc", enforce_eager=False,
+                           staging_dir=staging_dir(weight_bytes))
     result = {"generator_config": dataclasses.asdict(cfg),
               "free_before_engine_start_gib": free_gib()}
     generator = VLLMGenerator(cfg, model_dir=model_dir, dtype="bfloat16", log_dir=log_dir)
@@ -298,10 +334,7 @@ def colocated(args, trainer, model_dir: Path, prompts, sampling, log_dir: Path) 
             generator.weight_sync = mode  # chosen per step: one engine serves both modes
             steps = []
             for step in range(args.steps):
-                offloader.calls.clear()
-                rollouts = generator.generate(prompts, sampling, model=trainer.model, offloader=offloader,
-                                              seed=0)
-                steps.append(step_record(rollouts, offloader))
+                steps.append(measured_step(generator, trainer, offloader, prompts, sampling))
                 # The same restore again at once, the engine asleep and nothing just released by
                 # it: in-step restores ran at 56-62% of the pinned bandwidth, isolated ones at 93%.
                 offloader.offload()
@@ -328,9 +361,7 @@ def restore_probes(generator, trainer, offloader, prompts, sampling, steps: int 
         offloader.probe = probe
         records = []
         for _ in range(steps):
-            offloader.calls.clear()
-            rollouts = generator.generate(prompts, sampling, model=trainer.model, offloader=offloader, seed=0)
-            records.append(step_record(rollouts, offloader))
+            records.append(measured_step(generator, trainer, offloader, prompts, sampling))
         probes[probe] = {"steps": records, "median": medians(records)}
         m = probes[probe]["median"]
         log(f"restore probe {probe}: restore {m['offloader/restore_s']:.3f} s, "
@@ -347,11 +378,7 @@ def medians(steps: list[dict]) -> dict:
 
 def bare_vllm(args, model_dir: Path, prompts, sampling_params: dict, work: Path) -> dict:
     """The same prompts and sampling through a plain vllm.LLM in a fresh process."""
-    request = {"engine_kwargs": dict(model=str(model_dir), tokenizer=str(model_dir), load_format="dummy",
-                                     dtype="bfloat16", gpu_memory_utilization=args.gpu_memory_utilization,
-                                     enforce_eager=False, max_model_len=args.prompt_len + args.max_tokens,
-                                     max_num_seqs=max(256, args.prompts * args.n), seed=0,
-                                     **args.engine_kwargs),
+    request = {"engine_kwargs": bare_engine_kwargs(args, model_dir, "bfloat16", enforce_eager=False),
                "prompts": prompts, "sampling": sampling_params, "repeats": 5}
     json_in, json_out = work / "bare_in.json", work / "bare_out.json"
     json_in.write_text(json.dumps(request))
@@ -369,9 +396,12 @@ def summary_rows(results: dict) -> list[tuple[str, str, str]]:
     phases = [("offload", "timing/offload_s"), ("stage (file only)", "timing/stage_s"),
               ("wake weights", "timing/wake_weights_s"), ("weight load", "timing/weight_load_s"),
               ("weight sync (stage + load)", "weight_sync_s"), ("wake KV", "timing/wake_kv_s"),
-              ("generate", "timing/generate_s"), ("  llm.generate in the worker", "generator/engine_generate_s"),
-              ("  GC pauses in it", "generator/gc_pause_s"), ("sleep", "timing/sleep_s"),
-              ("restore", "timing/restore_s"), ("  restore again, engine long asleep", "offloader/restore_again_s"), ("generator total", "timing/generator_total_s"),
+              ("generate", "timing/generate_s"),
+              ("  llm.generate in the worker", "generator/engine_generate_s"),
+              ("  GC pauses in it", "generator/gc_pause_s"),
+              ("sleep", "timing/sleep_s"), ("restore", "timing/restore_s"),
+              ("  restore again, engine long asleep", "offloader/restore_again_s"),
+              ("generator total", "timing/generator_total_s"),
               ("switch overhead (total - generate)", "switch_overhead_s")]
     def seconds(m: dict, key: str) -> str:
         return f"{m[key]:.3f} s" if key in m else "-"
@@ -413,7 +443,6 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
 
-    from colo_rl.config import SamplingConfig
     from colo_rl.generator import VLLMGenerator
     from colo_rl.models import write_embedded_model
 
@@ -423,11 +452,7 @@ def main(argv=None) -> int:
     cfg = model_config(args.model)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     log_dir = args.out.parent / f"{args.out.stem}_logs"
-    sampling = SamplingConfig(n=args.n, temperature=1.0, max_tokens=args.max_tokens, seed=0,
-                              ignore_eos=True)
-    rng = random.Random(0)
-    prompts = [[rng.randrange(3, cfg.embedded.vocab_size) for _ in range(args.prompt_len)]
-               for _ in range(args.prompts)]
+    prompts, sampling = workload(args, cfg.embedded.vocab_size)
     results: dict = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
                      "torch": torch.__version__, "device": torch.cuda.get_device_name(),
                      "gpu_total_gib": torch.cuda.mem_get_info()[1] / GIB,

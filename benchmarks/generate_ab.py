@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import subprocess
 import sys
 import tempfile
@@ -39,17 +38,8 @@ def log(message: str) -> None:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", required=True, type=Path, help="JSON file for every raw number")
-    p.add_argument("--model", default="olmo2_1b_shape", help="a conf/model/NAME.yaml with source=embedded")
     p.add_argument("--pairs", type=int, default=10)
-    p.add_argument("--prompts", type=int, default=32)
-    p.add_argument("--n", type=int, default=8, help="completions per prompt")
-    p.add_argument("--prompt-len", type=int, default=128, help="tokens per prompt")
-    p.add_argument("--max-tokens", type=int, default=256, help="new tokens per completion")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.35, help="each engine's share")
-    p.add_argument("--engine-core-process", action="store_true",
-                   help="colo_rl's engine core in its own process (generator.in_process=false)")
-    colocation.add_engine_kwargs_argument(p)
+    colocation.add_workload_arguments(p, gpu_memory_utilization=0.35)  # two engines on one GPU
     return p.parse_args(argv)
 
 
@@ -89,20 +79,12 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
 
-    from colo_rl.config import GeneratorConfig, SamplingConfig
     from colo_rl.generator import VLLMGenerator
     from colo_rl.models import load_policy, write_embedded_model
 
     cuda = torch.cuda.is_available()
     cfg = colocation.model_config(args.model)
-    sampling = SamplingConfig(n=args.n, temperature=1.0, max_tokens=args.max_tokens, seed=0, ignore_eos=True)
-    rng = random.Random(0)
-    prompts = [[rng.randrange(3, cfg.embedded.vocab_size) for _ in range(args.prompt_len)]
-               for _ in range(args.prompts)]
-    gen_cfg = GeneratorConfig(gpu_memory_utilization=args.gpu_memory_utilization,
-                              max_model_len=args.prompt_len + args.max_tokens,
-                              max_num_seqs=max(256, args.prompts * args.n),
-                              in_process=not args.engine_core_process, engine_kwargs=args.engine_kwargs)
+    prompts, sampling = colocation.workload(args, cfg.embedded.vocab_size)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     log_dir = args.out.parent / f"{args.out.stem}_logs"
     log_dir.mkdir(exist_ok=True)
@@ -112,17 +94,14 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="colo_rl-ab-") as tmp:
         model_dir = write_embedded_model(cfg, Path(tmp) / "model")
         policy = load_policy(cfg, model_dir, "cuda" if cuda else "cpu")
-        engine_kwargs = dict(model=str(model_dir), tokenizer=str(model_dir), load_format="dummy", dtype=cfg.dtype,
-                             gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=not cuda,
-                             max_model_len=gen_cfg.max_model_len, max_num_seqs=gen_cfg.max_num_seqs, seed=0,
-                             **args.engine_kwargs)
+        engine_kwargs = colocation.bare_engine_kwargs(args, model_dir, cfg.dtype, enforce_eager=not cuda)
         log("starting bare vLLM")
         bare = BareServer({"engine_kwargs": engine_kwargs, "prompts": prompts, "sampling": results["sampling"]},
                           log_dir)
         try:
             results["bare_vllm"] = bare.info
             log(f"bare vLLM up in {bare.info['start_s']:.0f} s; starting colo_rl's engine")
-            with VLLMGenerator(gen_cfg, model_dir=model_dir, dtype=cfg.dtype, log_dir=log_dir) as generator:
+            with VLLMGenerator(colocation.generator_config(args), model_dir=model_dir, dtype=cfg.dtype, log_dir=log_dir) as generator:
                 warmup = generator.generate(prompts, sampling, model=policy, seed=0)
                 results["colo_rl_start_s"] = warmup.metrics["timing/server_start_s"]
                 results["engine_info"] = generator.engine_info
