@@ -105,7 +105,7 @@ class EngineServer:
 
     The garbage collector stays off during generate: a generate builds one object per token
     (ids, log-probs, text pieces), and on the H200 the collections this set off stopped the
-    process for 0.8-1.7 s of a 3-4 s generate (two or three full collections over the heap
+    process for 0.8-1.7 s of a 2.5-4.5 s generate (two or three full collections over the heap
     vLLM, torch and transformers leave behind). The start-up heap is frozen, so collections
     skip it, and the step's garbage is collected after `sleep` has been answered, while the
     trainer trains.
