@@ -9,7 +9,9 @@ it measures, in this order:
      passes, torch.load, .to("cuda");
   3. colo_rl's generator (one engine start): --steps steps with weight_sync=cuda_ipc, then
      --steps with weight_sync=file, each phase's median, the offloader's bandwidth and the GPU
-     memory the sleeping engine keeps;
+     memory the sleeping engine keeps (these restore everything before the step goes on:
+     trainer.overlap_restore=false); then --overlap-pairs pairs of cuda_ipc steps followed by a
+     GRPO train step, with the optimizer state restored in the background and without;
   4. a bare vllm.LLM.generate of the same prompts in a subprocess (benchmarks/bare_vllm.py; this
      process never imports vllm), so the generator's cost on generation is a ratio.
 Prints a table at the end and writes every raw number to --out. Details: benchmarks/README.md.
@@ -41,6 +43,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=5, help="measured steps per weight-sync mode (median)")
     p.add_argument("--bandwidth-gib", type=int, default=4, help="size of the copy-bandwidth buffers")
+    p.add_argument("--overlap-pairs", type=int, default=4,
+                   help="pairs of steps + train, background restore off and on (ABBA order)")
+    p.add_argument("--train-prompts", type=int, default=4,
+                   help="prompts (each with its --n completions) in the overlap section's train steps")
     add_workload_arguments(p, gpu_memory_utilization=0.5)
     return p.parse_args(argv)
 
@@ -265,7 +271,7 @@ def recording_offloader(trainer):
 
             probe = {}
             if self.probe == "alloc_first":  # one device block for everything, timed alone
-                nbytes = sum(t.data.nbytes for part in self.offloaded for t, _ in self._moved[part])
+                nbytes = sum(t.data.nbytes for part in self.offloaded for _, t, _ in self._moved[part])
                 start = time.perf_counter()
                 block = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
                 torch.cuda.synchronize()
@@ -315,6 +321,7 @@ def colocated(args, trainer, model_dir: Path, prompts, sampling, log_dir: Path) 
     from colo_rl.generator import VLLMGenerator
 
     offloader = recording_offloader(trainer)
+    offloader.overlap_restore = False  # every byte back inside the restore phase; see overlap_section()
     weight_bytes = sum(p.nbytes for p in trainer.model.parameters())
     cfg = generator_config(args, weight_sync="cuda_ipc", enforce_eager=False,
                            staging_dir=staging_dir(weight_bytes))
@@ -346,6 +353,7 @@ def colocated(args, trainer, model_dir: Path, prompts, sampling, log_dir: Path) 
                     f"restore {steps[-1]['offloader/restore_s']:.3f} s then {steps[-1]['offloader/restore_again_s']:.3f} s")
             result[mode] = {"steps": steps, "median": medians(steps)}
         result["restore_probes"] = restore_probes(generator, trainer, offloader, prompts, sampling)
+        result["overlap"] = overlap_section(args, generator, trainer, offloader, prompts, sampling)
     result["engine_held_asleep_gib"] = result["free_before_engine_start_gib"] - result["free_engine_asleep_gib"]
     return result
 
@@ -368,6 +376,41 @@ def restore_probes(generator, trainer, offloader, prompts, sampling, steps: int 
             f"allocation {m['offloader/restore_alloc_s']:.3f} s")
     offloader.probe = None
     return probes
+
+
+def overlap_section(args, generator, trainer, offloader, prompts, sampling) -> dict:
+    """cuda_ipc steps each followed by a GRPO train step, as in a run, in ABBA pairs: the
+    optimizer state restored inside the restore phase (off), or on a side stream under scoring
+    and the train step's forward/backward (on). Time the train step too, or the hidden copy
+    only moves out of the measured window."""
+    import torch
+
+    generator.weight_sync = "cuda_ipc"
+    k = min(args.train_prompts, len(prompts))
+    rng = random.Random(2)
+    records: dict[str, list[dict]] = {"off": [], "on": []}
+    for pair in range(args.overlap_pairs):
+        for mode in (("off", "on") if pair % 2 == 0 else ("on", "off")):
+            offloader.overlap_restore = mode == "on"
+            offloader.calls.clear()
+            rollouts = generator.generate(prompts, sampling, model=trainer.model, offloader=offloader, seed=0)
+            record = step_record(rollouts, offloader)
+            torch.cuda.current_stream().synchronize()
+            start = time.perf_counter()
+            trainer.train_step(prompts[:k], rollouts.completion_ids[:k * sampling.n],
+                               [float(rng.random() < 0.5) for _ in range(k * sampling.n)], sampling.n)
+            torch.cuda.synchronize()
+            record["train_s"] = time.perf_counter() - start
+            record.update(offloader.background_stats())
+            record["restore_and_train_s"] = record["timing/restore_s"] + record["train_s"]
+            record["step_s"] = record["timing/generator_total_s"] + record["train_s"]
+            records[mode].append(record)
+            log(f"overlap {mode}: restore {record['timing/restore_s']:.3f} s, train {record['train_s']:.3f} s, "
+                f"background copy {record.get('offloader/restore_background_s', 0.0):.3f} s, "
+                f"switch overhead {record['switch_overhead_s']:.3f} s")
+    offloader.overlap_restore = False
+    return {"train_sequences": k * sampling.n,
+            **{mode: {"steps": steps, "median": medians(steps)} for mode, steps in records.items()}}
 
 
 def medians(steps: list[dict]) -> dict:
@@ -427,9 +470,24 @@ def summary_rows(results: dict) -> list[tuple[str, str, str]]:
     return rows
 
 
-def print_table(rows) -> None:
+def overlap_rows(results: dict) -> list[tuple[str, str, str]]:
+    """(what, off, on) rows for the background restore: the medians of overlap_section()."""
+    section = results["colocated"].get("overlap")
+    if not section or not section["on"]["steps"]:
+        return []
+    off, on = section["off"]["median"], section["on"]["median"]
+    keys = [("restore (waited for)", "timing/restore_s"),
+            ("  copied in the background", "offloader/restore_background_s"),
+            (f"train step ({section['train_sequences']} sequences)", "train_s"),
+            ("restore + train", "restore_and_train_s"),
+            ("switch overhead (total - generate)", "switch_overhead_s"),
+            ("generator total + train", "step_s")]
+    return [(label, *(f"{m[key]:.3f} s" if key in m else "-" for m in (off, on))) for label, key in keys]
+
+
+def print_table(rows, columns=("cuda_ipc", "file")) -> None:
     width = max(len(r[0]) for r in rows)
-    print(f"\n{'':{width}}  {'cuda_ipc':>18}  {'file':>18}")
+    print(f"\n{'':{width}}  {columns[0]:>18}  {columns[1]:>18}")
     for label, a, b in rows:
         print(f"{label:{width}}  {a:>18}  {b:>18}")
 
@@ -483,6 +541,8 @@ def main(argv=None) -> int:
     results["wall_s"] = time.perf_counter() - started
     save(args.out, results)
     print_table(summary_rows(results))
+    if overlap_rows(results):
+        print_table(overlap_rows(results), columns=("overlap off", "overlap on"))
     log(f"done in {results['wall_s']:.0f} s; raw numbers in {args.out}")
     return 0
 

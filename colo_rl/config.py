@@ -164,6 +164,7 @@ class TrainerConfig:
     kl_coef: float = 0.0  # >0 keeps a frozen reference policy and adds a k3 KL penalty
     bf16_autocast: bool = False  # GPU only
     offload: str = "all"  # all | optimizer | none: what leaves the GPU while the engine is awake
+    overlap_restore: bool = True  # CUDA: AdamW state comes back on a side stream, under the next step's work
     seed: int = 0
     checkpoint_every: int = 0  # steps; 0: only at the end and on interruption
     resume: Optional[str] = None  # a checkpoint directory written by an earlier run

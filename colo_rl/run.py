@@ -148,7 +148,7 @@ def _train(cfg: DictConfig, settings: RunConfig, generator: VLLMGenerator | None
     trainer = GRPOTrainer(policy, t, pad_token_id=tokenizer.pad_token_id,
                           temperature=s.temperature, max_tokens=s.max_tokens, device=device,
                           parallel=par)
-    offloader = Offloader(policy, trainer.optimizer, t.offload)
+    offloader = Offloader(policy, trainer.optimizer, t.offload, overlap_restore=t.overlap_restore)
     start_step = 0
     if t.resume:
         extra = load_checkpoint(t.resume, trainer)
@@ -263,7 +263,7 @@ def train_one_step(step: int, settings: RunConfig, task, rng: random.Random, tok
         with timer.phase("train"):
             train_metrics = trainer.train_step(prompt_ids, rollouts.completion_ids, rewards, s.n,
                                                engine_logprobs=rollouts.logprobs)
-        metrics = {**rollouts.metrics, **timer.metrics, **train_metrics}
+        metrics = {**rollouts.metrics, **timer.metrics, **train_metrics, **offloader.background_stats()}
         if torch.cuda.is_available():
             metrics["memory/trainer_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
         metrics.update(host_metrics(generator.process.pid if generator.process else None))

@@ -11,8 +11,10 @@ GIB = 2**30
 
 
 def _sync() -> None:
+    # The current stream only: the Offloader's background restore runs on a side stream, on
+    # purpose past the end of the restore phase, and a device-wide sync would wait for it here.
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
+        torch.cuda.current_stream().synchronize()
 
 
 def gpu_free_gib() -> float | None:

@@ -9,6 +9,7 @@ the optimizer's references to its parameters and its state dict stay valid.
 from __future__ import annotations
 
 import time
+import weakref
 from typing import Callable, Iterator
 
 import torch
@@ -20,7 +21,8 @@ PARTS = ("optimizer", "params")
 class Offloader:
     """Moves trainer state (params, buffers, grads, optimizer state) between its device and host buffers."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, policy: str = "all"):
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, policy: str = "all",
+                 overlap_restore: bool = True):
         if policy not in POLICY_PARTS:
             raise ValueError(f"offload policy={policy!r} must be one of {', '.join(POLICY_PARTS)} "
                              "(trainer.offload)")
@@ -34,8 +36,18 @@ class Offloader:
         self.offloaded: set[str] = set()
         self._cuda = self.device.type == "cuda"
         self._host: dict[str, torch.Tensor] = {}  # one buffer per tensor, allocated on first use
-        self._moved: dict[str, list[tuple[torch.Tensor, torch.device]]] = {}  # part -> what left
+        self._moved: dict[str, list[tuple[str, torch.Tensor, torch.device]]] = {}  # part -> what left
         self._names = {id(p): name for name, p in model.named_parameters()}
+        self.overlap_restore = overlap_restore  # read at each restore(); a no-op off CUDA
+        self._side = torch.cuda.Stream(self.device) if self._cuda else None
+        self._pending: tuple[torch.cuda.Event, torch.cuda.Event, int] | None = None  # copies in flight
+        self._last_background: tuple[torch.cuda.Event, torch.cuda.Event, int] | None = None
+        if self._side is not None:
+            # Whatever reads the optimizer's state first waits for its copies; a weak reference, so
+            # the optimizer does not keep a dropped Offloader (and its pinned buffers) alive.
+            hook = _weak_hook(weakref.WeakMethod(self.wait))
+            optimizer.register_step_pre_hook(hook)
+            optimizer.register_state_dict_pre_hook(hook)
 
     def offload(self, parts: tuple[str, ...] = PARTS) -> dict[str, float]:
         """Moves the named parts that the policy lets go to host buffers.
@@ -48,6 +60,7 @@ class Offloader:
             raise ValueError(f"offload parts {sorted(unknown)} unknown: use {', '.join(PARTS)}")
         todo = [p for p in POLICY_PARTS[self.policy] if p in parts and p not in self.offloaded]
         start = time.perf_counter()
+        self.wait()  # the copies below read state a background restore may still be writing
         free_before = self._free_bytes()
         moved = self._transfer(lambda journal: sum(self._offload_part(part, journal) for part in todo))
         self.offloaded.update(todo)
@@ -57,12 +70,42 @@ class Offloader:
                 "freed_gib": (self._free_bytes() - free_before) / 2**30}
 
     def restore(self) -> dict[str, float]:
-        """Brings back everything offloaded, bit-exact; a no-op when nothing is offloaded."""
+        """Brings back everything offloaded, bit-exact; a no-op when nothing is offloaded.
+
+        "seconds" and "bytes" are what the caller waited for; "background_bytes" were queued on the
+        side stream and are still arriving (see `wait()` and `background_stats()`).
+        """
         start = time.perf_counter()
-        moved = self._transfer(lambda journal: sum(self._restore_part(part, journal)
-                                                   for part in sorted(self.offloaded)))
+        entries = [entry for part in sorted(self.offloaded) for entry in self._moved[part]]
+        if self._side is not None and self.overlap_restore:
+            later = [e for e in entries if e[0].startswith("state:")]
+            now = [e for e in entries if not e[0].startswith("state:")]
+        else:
+            later, now = [], entries
+        moved = self._transfer(lambda journal: self._restore_entries(now, journal))
+        background = self._restore_in_background(later)
         self.offloaded.clear()
-        return {"seconds": time.perf_counter() - start, "bytes": float(moved)}
+        return {"seconds": time.perf_counter() - start, "bytes": float(moved),
+                "background_bytes": float(background)}
+
+    def wait(self) -> None:
+        """Makes the current stream wait for the background restore; returns at once (on the host).
+
+        Called before anything reads the optimizer's state: hooks on optimizer.step and
+        optimizer.state_dict, and offload(). Harmless when nothing is in flight, and on the CPU.
+        """
+        if self._pending is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._pending[1])
+            self._last_background, self._pending = self._pending, None
+
+    def background_stats(self) -> dict[str, float]:
+        """Seconds and bytes of the last background restore, once its copies have finished ({} before)."""
+        done = self._last_background or self._pending
+        if done is None or not done[1].query():
+            return {}
+        started, ended, nbytes = done
+        return {"offloader/restore_background_s": started.elapsed_time(ended) / 1000,
+                "offloader/restore_background_bytes": float(nbytes)}
 
     def _transfer(self, copies: Callable[[list], int]) -> int:
         """Runs `copies`, then synchronizes once; on any error puts every swapped tensor back.
@@ -92,20 +135,46 @@ class Offloader:
             host.copy_(tensor.data, non_blocking=self._cuda)
             journal.append((tensor, tensor.data))
             tensor.data = host
-            moved.append((tensor, self.device))
+            moved.append((key, tensor, self.device))
             nbytes += host.nbytes
         self._moved[part] = moved
         return nbytes
 
-    def _restore_part(self, part: str, journal: list) -> int:
+    def _restore_entries(self, entries: list, journal: list) -> int:
         nbytes = 0
-        for tensor, device in self._moved[part]:
+        for _, tensor, device in entries:
             host = tensor.data
             on_device = torch.empty_like(host, device=device)
             on_device.copy_(host, non_blocking=self._cuda)
             journal.append((tensor, host))
             tensor.data = on_device
             nbytes += host.nbytes
+        return nbytes
+
+    def _restore_in_background(self, entries: list) -> int:
+        """Queues the copies of `entries` on the side stream; the tensors point at their device
+        memory at once, and the default stream must `wait()` before reading it.
+
+        The device tensors are allocated on the default stream (so the caching allocator frees
+        them in its order), and the side stream first waits for everything queued there, so no
+        copy can land in memory the default stream is still using.
+        """
+        if not entries:
+            return 0
+        self.wait()
+        targets = [torch.empty_like(tensor.data, device=device) for _, tensor, device in entries]
+        started, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        self._side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._side), torch.no_grad():
+            started.record()
+            for target, (_, tensor, _) in zip(targets, entries):
+                target.copy_(tensor.data, non_blocking=True)  # the host buffer stays in self._host
+            ended.record()
+        nbytes = 0
+        for target, (_, tensor, _) in zip(targets, entries):
+            tensor.data = target
+            nbytes += target.nbytes
+        self._pending = (started, ended, nbytes)
         return nbytes
 
     def _tensors(self, part: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -134,3 +203,12 @@ class Offloader:
 
     def _free_bytes(self) -> int:
         return torch.cuda.mem_get_info(self.device)[0] if self._cuda else 0
+
+
+def _weak_hook(method: weakref.WeakMethod) -> Callable[..., None]:
+    """An optimizer hook that calls `method` while its object lives, and returns None (no change)."""
+    def hook(*_) -> None:
+        bound = method()
+        if bound is not None:
+            bound()
+    return hook

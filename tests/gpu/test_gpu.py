@@ -219,6 +219,8 @@ def test_offload_restore_through_the_generator_is_bit_exact(fp32, sync_mode):
     assert a.keys() == b.keys()
     unequal = [key for key in a if not torch.equal(a[key], b[key])]
     assert not unequal, f"after the next step these differ from a trainer that never offloaded: {unequal[:5]}"
+    # The AdamW moments came back on the side stream (trainer.overlap_restore, on by default).
+    assert offloader.background_stats()["offloader/restore_background_bytes"] > 0
 
 
 @pytest.mark.parametrize("sync_mode", SYNC_MODES)
@@ -229,7 +231,8 @@ def test_short_grpo_run_finishes_on_the_gpu(tmp_path, sync_mode):
     assert [r["train/step"] for r in records] == [0, 1, 2]
     keys = ["timing/offload_s", "timing/wake_weights_s", "timing/weight_load_s", "timing/wake_kv_s",
             "timing/generate_s", "timing/sleep_s", "timing/restore_s", "timing/train_s",
-            "timing/generator_total_s", "timing/step_s", "memory/free_after_sleep_gib"]
+            "timing/generator_total_s", "timing/step_s", "memory/free_after_sleep_gib",
+            "offloader/restore_background_s"]
     for record in records:
         missing = [k for k in keys if k not in record]
         assert not missing, missing

@@ -77,7 +77,10 @@ def test_identity_and_keys_survive_and_host_buffers_are_reused(model_dir):
             assert ptr != before[key][0], f"{key} still on its original storage"
             assert ptr == offloader._host[key].data_ptr(), f"{key} is not in its host buffer"
         hosts.append(on_host)
-        assert offloader.restore()["bytes"] == result["bytes"]
+        restored = offloader.restore()
+        assert restored["bytes"] == result["bytes"] and restored["background_bytes"] == 0.0  # no side stream on the CPU
+        offloader.wait()  # harmless with nothing in flight
+        assert offloader.background_stats() == {}
         assert offloader.offloaded == set()
         assert_same_values(trainer, before)
 
@@ -160,3 +163,59 @@ def test_on_cuda_buffers_are_pinned_memory_is_freed_and_cpu_step_stays(model_dir
     assert all(t.device.type == "cuda" for t in trainer.model.parameters())
     assert_same_values(trainer, before)
     trainer.train_step(PROMPTS, COMPLETIONS, REWARDS, 2)
+
+
+def adamw_after_one_step(seed: int, device: str = "cuda"):
+    """A model with 128 MiB of weights, AdamW's moments (256 MiB), and gradients for a second step."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(*(torch.nn.Linear(2048, 2048, bias=False) for _ in range(8))).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(2):
+        optimizer.zero_grad(set_to_none=True)
+        model(torch.randn(64, 2048, device=device)).square().mean().backward()
+        if not optimizer.state:
+            optimizer.step()
+    return model, optimizer
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_background_restore_overlaps_and_the_next_step_waits_for_it():
+    """The moments arrive on a side stream after restore() returns; optimizer.step (through its
+    hook) and state_dict see them complete, so the step equals one that never offloaded."""
+    model, optimizer = adamw_after_one_step(0)
+    kept_model, kept_optimizer = adamw_after_one_step(0)
+    offloader = Offloader(model, optimizer, "all")
+    offloaded = offloader.offload()["bytes"]
+    moments = sum(v.nbytes for s in optimizer.state.values() for k, v in s.items() if k != "step")
+    # Stale memory for the restore to land in: one block of NaNs, freed into torch's cache.
+    torch.full((int(offloaded) // 4 + 2**20,), float("nan"), device="cuda")
+    result = offloader.restore()
+    assert result["background_bytes"] == moments and result["bytes"] > 0
+    last = optimizer.state[list(model.parameters())[-1]]["exp_avg_sq"]
+    # Control: read on the default stream without waiting, the last moment has not arrived.
+    assert torch.isnan(last).any().item(), "the background copy was already done: nothing overlapped"
+    assert not torch.isnan(model[0].weight).any().item()  # parameters are back at once
+    optimizer.step()  # the hook waits for the side stream on the GPU
+    kept_optimizer.step()
+    for a, b in zip(model.parameters(), kept_model.parameters()):
+        assert torch.equal(a, b)
+    for p, q in zip(model.parameters(), kept_model.parameters()):
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(optimizer.state[p][key], kept_optimizer.state[q][key]), key
+    stats = offloader.background_stats()
+    assert stats["offloader/restore_background_bytes"] == moments
+    assert stats["offloader/restore_background_s"] > 0
+
+    # state_dict waits too; and so does the next offload, before it copies the moments out.
+    offloader.offload()
+    torch.full((int(offloaded) // 4 + 2**20,), float("nan"), device="cuda")
+    offloader.restore()
+    saved = optimizer.state_dict()["state"]
+    assert not any(torch.isnan(v).any().item() for s in saved.values() for k, v in s.items() if k != "step")
+    offloader.restore()  # a no-op: nothing offloaded
+    offloader.offload()
+    offloader.overlap_restore = False
+    assert offloader.restore()["background_bytes"] == 0.0
+    for p, q in zip(model.parameters(), kept_model.parameters()):
+        assert torch.equal(optimizer.state[p]["exp_avg"], kept_optimizer.state[q]["exp_avg"])
