@@ -111,8 +111,9 @@ class Parallel:
 
 def reduce_step_metrics(per_rank: list[dict[str, float]], rewards: list[list[float]]) -> dict[str, float]:
     """One record for the step from every rank's: the slowest rank's time per phase (what the
-    step waits for), each rank's own under ranks/<r>/, sums of counts, means of the rest, and
-    reward statistics over every completion of the global batch."""
+    step waits for), each rank's own under ranks/<r>/, the slowest rank's other seconds (the
+    engine's, the weight load's, the background restore's), sums of counts and bytes, means of
+    the rest, and reward statistics over every completion of the global batch."""
     if len(per_rank) == 1:
         return dict(per_rank[0])
     merged: dict[str, float] = {}
@@ -123,10 +124,10 @@ def reduce_step_metrics(per_rank: list[dict[str, float]], rewards: list[list[flo
             for r, m in enumerate(per_rank):
                 if key in m:
                     merged[f"ranks/{r}/{key}"] = m[key]
-        elif key.startswith("generator/") and key.endswith("_s"):
-            merged[key] = max(values)  # the engine's own seconds (llm.generate, GC): the slowest rank's
-        elif key in ("rollout/tokens", "train/response_tokens", "sync/tensors", "sync/bytes") \
-                or key.startswith("generator/"):
+        elif key.endswith("_s") and not key.endswith("_per_s"):
+            merged[key] = max(values)  # seconds outside timing/ (engine, sync, offloader): the slowest rank's
+        elif key in ("rollout/tokens", "train/response_tokens", "sync/tensors") \
+                or key.endswith("_bytes") or key.startswith("generator/"):
             merged[key] = sum(values)
         elif key.startswith("memory/free_"):
             merged[key] = min(values)

@@ -143,14 +143,21 @@ def test_killing_one_rank_brings_down_the_other_and_both_engines(tmp_path):
 def test_step_metrics_reduce_seconds_to_the_slowest_rank_and_sum_counts():
     ranks = [{"timing/generate_s": 3.0, "generator/engine_generate_s": 2.9, "generator/gc_pause_s": 0.0,
               "generator/gc_collections": 1.0, "generator/sleep_skipped": 1.0, "rollout/tokens": 100.0,
-              "memory/free_after_sleep_gib": 120.0, "train/loss": 0.5},
+              "memory/free_after_sleep_gib": 120.0, "train/loss": 0.5, "sync/load_s": 0.1,
+              "offloader/restore_background_s": 0.2, "offloader/restore_background_bytes": 6.0,
+              "rollout/tokens_per_s": 1000.0},
              {"timing/generate_s": 4.0, "generator/engine_generate_s": 3.8, "generator/gc_pause_s": 0.2,
               "generator/gc_collections": 2.0, "generator/sleep_skipped": 1.0, "rollout/tokens": 140.0,
-              "memory/free_after_sleep_gib": 110.0, "train/loss": 0.7}]
+              "memory/free_after_sleep_gib": 110.0, "train/loss": 0.7, "sync/load_s": 0.3,
+              "offloader/restore_background_s": 0.1, "offloader/restore_background_bytes": 6.0,
+              "rollout/tokens_per_s": 2000.0}]
     merged = reduce_step_metrics(ranks, [[0.0, 1.0], [1.0, 1.0]])
     assert merged["timing/generate_s"] == 4.0 and merged["ranks/0/timing/generate_s"] == 3.0
     assert merged["generator/engine_generate_s"] == 3.8 and merged["generator/gc_pause_s"] == 0.2
     assert merged["generator/gc_collections"] == 3.0 and merged["generator/sleep_skipped"] == 2.0
     assert merged["rollout/tokens"] == 240.0 and merged["memory/free_after_sleep_gib"] == 110.0
     assert merged["train/loss"] == pytest.approx(0.6)
+    assert merged["sync/load_s"] == 0.3 and merged["offloader/restore_background_s"] == 0.2
+    assert merged["offloader/restore_background_bytes"] == 12.0
+    assert merged["rollout/tokens_per_s"] == 1500.0  # a rate: the ranks' mean, not the slowest
     assert (merged["reward/mean"], merged["reward/min"], merged["reward/max"]) == (0.75, 0.0, 1.0)
