@@ -77,6 +77,9 @@ class Offloader:
         """
         start = time.perf_counter()
         entries = [entry for part in sorted(self.offloaded) for entry in self._moved[part]]
+        if entries:
+            self.wait()
+            self._last_background = None  # background_stats() describes this restore from here on
         if self._side is not None and self.overlap_restore:
             later = [e for e in entries if e[0].startswith("state:")]
             now = [e for e in entries if not e[0].startswith("state:")]

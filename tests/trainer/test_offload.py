@@ -217,5 +217,6 @@ def test_the_background_restore_overlaps_and_the_next_step_waits_for_it():
     offloader.offload()
     offloader.overlap_restore = False
     assert offloader.restore()["background_bytes"] == 0.0
+    assert offloader.background_stats() == {}  # nothing from the earlier restores
     for p, q in zip(model.parameters(), kept_model.parameters()):
         assert torch.equal(optimizer.state[p]["exp_avg"], kept_optimizer.state[q]["exp_avg"])
