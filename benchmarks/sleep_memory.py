@@ -1,0 +1,119 @@
+"""What a sleeping engine keeps on the GPU, per CUDA-graph setting, and what the setting costs.
+
+    python benchmarks/sleep_memory.py --out $OUT/sleep_memory.json        # ~4 min on the H200
+
+Issue #6 asks that free GPU memory while the engine sleeps be within 1 GiB of free memory before
+it started. With CUDA graphs the 1B shape's engine kept 1.19 GiB asleep, eager 0.83 GiB: vLLM's
+sleep releases the weights and the KV cache, not the CUDA-graph memory pool. For each variant
+(`--variants`, vllm.LLM keyword arguments merged into generator.engine_kwargs) this starts colo_rl's
+engine with the policy on the GPU (no optimizer, nothing offloaded), runs --steps generate steps
+after the one that starts it, and records free memory before the start, after each step's sleep
+and after the engine is closed, the engine start time (graph capture included) and tokens/s.
+On a machine without a GPU (`--model tiny --variants '{"eager": {}}'`) it only checks that the
+script runs: memory is NaN there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from statistics import median
+
+import colocation  # benchmarks/ is on sys.path when this file runs
+from colocation import save
+
+VARIANTS = {
+    "capture_256": {"compilation_config": {"max_cudagraph_capture_size": 256}},
+    "full_decode_only": {"compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY"}},
+}
+
+
+def log(message: str) -> None:
+    print(f"[sleep_memory {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=3, help="generate steps per variant after the first")
+    p.add_argument("--variants", type=json.loads, default=VARIANTS, metavar="JSON",
+                   help='{"name": {vllm.LLM kwargs}, ...}; {} for the defaults (default: %(default)s)')
+    colocation.add_workload_arguments(p, gpu_memory_utilization=0.5)
+    return p.parse_args(argv)
+
+
+def free_gib() -> float:
+    """Free GPU memory after emptying torch's cache (NaN on a CPU-only machine)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return float("nan")
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return torch.cuda.mem_get_info()[0] / colocation.GIB
+
+
+def measure(args, name: str, engine_kwargs: dict, policy, model_dir: Path, prompts, sampling) -> dict:
+    from colo_rl.generator import VLLMGenerator
+
+    settings = argparse.Namespace(**{**vars(args), "engine_kwargs": {**args.engine_kwargs, **engine_kwargs}})
+    import torch
+
+    on_gpu = torch.cuda.is_available()
+    cfg = colocation.generator_config(settings, weight_sync="cuda_ipc" if on_gpu else "file",
+                                      enforce_eager=not on_gpu)
+    result = {"engine_kwargs": cfg.engine_kwargs, "free_before_engine_start_gib": free_gib(), "steps": []}
+    generator = VLLMGenerator(cfg, model_dir=model_dir, dtype="bfloat16",
+                              log_dir=args.out.parent / f"{args.out.stem}_logs" / name)
+    with generator:
+        for step in range(args.steps + 1):
+            rollouts = generator.generate(prompts, sampling, model=policy, seed=0)
+            m = rollouts.metrics
+            record = {"generate_s": m["timing/generate_s"], "tokens_per_s": m["rollout/tokens_per_s"],
+                      "engine_generate_s": m.get("generator/engine_generate_s"),
+                      "sleep_skipped": m["generator/sleep_skipped"], "free_asleep_gib": free_gib()}
+            if step == 0:
+                result["first_step"] = record
+                result["server_start_s"] = m.get("timing/server_start_s")
+            else:
+                result["steps"].append(record)
+            log(f"{name} step {step}: {record['tokens_per_s']:.0f} tokens/s, "
+                f"{result['free_before_engine_start_gib'] - record['free_asleep_gib']:.2f} GiB held asleep")
+    result["free_after_close_gib"] = free_gib()
+    steps = result["steps"] or [result["first_step"]]
+    result["held_asleep_gib"] = result["free_before_engine_start_gib"] - median(s["free_asleep_gib"] for s in steps)
+    result["tokens_per_s"] = median(s["tokens_per_s"] for s in steps)
+    return result
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    from colo_rl.models import load_policy, write_embedded_model
+
+    cfg = colocation.model_config(args.model)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    prompts, sampling = colocation.workload(args, cfg.embedded.vocab_size)
+    results = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+               "torch": torch.__version__, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+               "variants": {}}
+    with tempfile.TemporaryDirectory(prefix="colo_rl-sleep-") as tmp:
+        model_dir = write_embedded_model(cfg, Path(tmp) / "model")
+        policy = load_policy(cfg, model_dir, "cuda" if torch.cuda.is_available() else "cpu")
+        for name, engine_kwargs in args.variants.items():
+            log(f"{name}: {engine_kwargs}")
+            results["variants"][name] = measure(args, name, engine_kwargs, policy, model_dir, prompts, sampling)
+            save(args.out, results)
+    print(f"\n{'variant':20} {'held asleep':>12} {'engine start':>13} {'tokens/s':>10}")
+    for name, r in results["variants"].items():
+        print(f"{name:20} {r['held_asleep_gib']:>8.2f} GiB {r.get('server_start_s', float('nan')):>11.1f} s "
+              f"{r['tokens_per_s']:>10.0f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
