@@ -43,6 +43,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=5, help="measured steps per weight-sync mode (median)")
     p.add_argument("--bandwidth-gib", type=int, default=4, help="size of the copy-bandwidth buffers")
+    p.add_argument("--probe-steps", type=int, default=3,
+                   help="cuda_ipc steps per restore probe (alloc_first, wait_first); 0 skips them")
     p.add_argument("--overlap-pairs", type=int, default=4,
                    help="pairs of steps + train, background restore off and on (ABBA order)")
     p.add_argument("--train-prompts", type=int, default=4,
@@ -352,7 +354,9 @@ def colocated(args, trainer, model_dir: Path, prompts, sampling, log_dir: Path) 
                     f"GC pauses in it {steps[-1]['generator/gc_pause_s']:.2f} s, "
                     f"restore {steps[-1]['offloader/restore_s']:.3f} s then {steps[-1]['offloader/restore_again_s']:.3f} s")
             result[mode] = {"steps": steps, "median": medians(steps)}
-        result["restore_probes"] = restore_probes(generator, trainer, offloader, prompts, sampling)
+        if args.probe_steps:
+            result["restore_probes"] = restore_probes(generator, trainer, offloader, prompts, sampling,
+                                                      args.probe_steps)
         result["overlap"] = overlap_section(args, generator, trainer, offloader, prompts, sampling)
     result["engine_held_asleep_gib"] = result["free_before_engine_start_gib"] - result["free_engine_asleep_gib"]
     return result
