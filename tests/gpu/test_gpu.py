@@ -231,8 +231,7 @@ def test_short_grpo_run_finishes_on_the_gpu(tmp_path, sync_mode):
     assert [r["train/step"] for r in records] == [0, 1, 2]
     keys = ["timing/offload_s", "timing/wake_weights_s", "timing/weight_load_s", "timing/wake_kv_s",
             "timing/generate_s", "timing/sleep_s", "timing/restore_s", "timing/train_s",
-            "timing/generator_total_s", "timing/step_s", "memory/free_after_sleep_gib",
-            "offloader/restore_background_s"]
+            "timing/generator_total_s", "timing/step_s", "memory/free_after_sleep_gib"]
     for record in records:
         missing = [k for k in keys if k not in record]
         assert not missing, missing
@@ -241,5 +240,8 @@ def test_short_grpo_run_finishes_on_the_gpu(tmp_path, sync_mode):
         assert ("timing/stage_s" in record) == (sync_mode == "file")
         if sync_mode == "cuda_ipc":
             assert record["sync/readback_checked"] > 0
+    # AdamW's moments exist from the first optimizer step on, and come back in the background after
+    # that (step 0's restore has none: on the H200 its record lacked the key, the later ones had it).
+    assert [("offloader/restore_background_s" in r) for r in records] == [False, True, True]
     assert (tmp_path / "checkpoint" / "trainer.pt").exists()
     assert engine_processes() == before
