@@ -208,6 +208,7 @@ def test_offload_restore_through_the_generator_is_bit_exact(fp32, sync_mode):
     offloader = Offloader(cycled.model, cycled.optimizer, "all")
     rollouts = fp32.using(sync_mode).generate(PROMPTS, SAMPLED, model=cycled.model, offloader=offloader)
     assert offloader._host and offloader.offloaded == set()  # it did move the state, and brought it back
+    offloader.wait()  # reading the AdamW state directly, not through optimizer.step or state_dict
     for key, tensor in state_tensors(cycled).items():
         assert tensor.device == before[key].device and torch.equal(tensor, before[key]), key
 
