@@ -4,6 +4,14 @@ Host buffers are allocated once per tensor (pinned on CUDA, so the copies can ru
 asynchronously) and reused every cycle: allocating pinned memory is slow, and a fresh allocation
 each step would also fragment host memory. Tensors keep their identity (`t.data` is swapped), so
 the optimizer's references to its parameters and its state dict stay valid.
+
+On CUDA, `restore()` brings parameters, buffers and gradients back before it returns, and the
+optimizer's state (AdamW's moments: two thirds of the bytes) on a side stream, so that those copies
+overlap the next step's scoring and forward/backward instead of lengthening the switch
+(`overlap_restore`, trainer.overlap_restore). The default stream waits for them (`wait()`: on the
+GPU, without blocking the host) before anything reads that state: optimizer.step and
+optimizer.state_dict call it through hooks, and the next offload does. Code that reads
+`optimizer.state` tensors some other way calls `wait()` first.
 """
 
 from __future__ import annotations
