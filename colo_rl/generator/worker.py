@@ -21,6 +21,9 @@ from multiprocessing import AuthenticationError
 from multiprocessing.connection import Connection, Listener
 
 PR_SET_PDEATHSIG = 1
+# For benchmarks/generate_ab.py: COLO_RL_FLAT_LOGPROBS=0 asks vLLM for its list-of-dicts log-probs,
+# to measure what the flat layout changes in llm.generate on a GPU host.
+FLAT_LOGPROBS = os.environ.get("COLO_RL_FLAT_LOGPROBS", "1") != "0"
 
 
 class Shutdown(BaseException):
@@ -174,7 +177,8 @@ class EngineServer:
         seeds = seed if isinstance(seed, list) else [seed] * len(prompts)
         if len(seeds) != len(prompts):
             raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
-        if sampling.get("logprobs") is not None and "flat_logprobs" in getattr(SamplingParams, "__struct_fields__", ()):
+        if sampling.get("logprobs") is not None and FLAT_LOGPROBS \
+                and "flat_logprobs" in getattr(SamplingParams, "__struct_fields__", ()):
             # a few flat lists per completion, not a dict and a Logprob object per token
             sampling["flat_logprobs"] = True
         per_prompt = [SamplingParams(**sampling, seed=s) for s in seeds]
