@@ -74,7 +74,8 @@ def measure(args, name: str, engine_kwargs: dict, policy, model_dir: Path, promp
             m = rollouts.metrics
             record = {"generate_s": m["timing/generate_s"], "tokens_per_s": m["rollout/tokens_per_s"],
                       "engine_generate_s": m.get("generator/engine_generate_s"),
-                      "sleep_skipped": m["generator/sleep_skipped"], "free_asleep_gib": free_gib()}
+                      "sleep_skipped": m["generator/sleep_skipped"], "free_asleep_gib": free_gib(),
+                      "engine_memory": generator.process.request("memory", timeout=60)}
             if step == 0:
                 result["first_step"] = record
                 result["server_start_s"] = m.get("timing/server_start_s")

@@ -11,6 +11,7 @@ and versions keep names 1:1.
 
 from __future__ import annotations
 
+import os
 import pickle
 import time
 
@@ -125,6 +126,37 @@ class WeightSyncExtension:
             raise RuntimeError(f"after loading, engine parameters differ from the trainer's for "
                                f"{mismatched[:5]} ({len(mismatched)} tensors)")
         return {"map_s": map_s, "load_s": load_s, "tensors": len(entries), "readback_checked": checked}
+
+    def colo_rl_memory(self) -> dict:
+        """This engine process's GPU memory by owner, in GiB, raw: torch's caching allocator
+        (reserved and allocated, its private pools included: CUDA graphs, and vLLM's sleep-mode
+        pool, whose segments may count while unmapped), what vLLM's sleep-mode pool tracks (its
+        size when awake, weights and KV cache), and the process's total as NVML sees it (CUDA
+        context included; None where NVML does not list this process)."""
+        if not torch.cuda.is_available():
+            return {"platform": "cpu"}
+        gib = 2**30
+        report = {"torch_allocated_gib": torch.cuda.memory_allocated() / gib,
+                  "torch_reserved_gib": torch.cuda.memory_reserved() / gib,
+                  "cumem_tracked_gib": None, "process_used_gib": None}
+        try:
+            from vllm.device_allocator.cumem import CuMemAllocator
+
+            report["cumem_tracked_gib"] = CuMemAllocator.get_instance().get_current_usage() / gib
+        except Exception as exc:  # another vLLM version: keep the rest of the report
+            report["cumem_error"] = repr(exc)
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            for index in range(pynvml.nvmlDeviceGetCount()):
+                handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+                for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+                    if proc.pid == os.getpid() and proc.usedGpuMemory is not None:
+                        report["process_used_gib"] = proc.usedGpuMemory / gib
+        except Exception as exc:
+            report["nvml_error"] = repr(exc)
+        return report
 
     def _readback(self, expected: dict[str, int]) -> tuple[list[str], int]:
         """Compare checksums of the engine's parameters (the right slice of packed ones) with the

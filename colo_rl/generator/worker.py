@@ -158,6 +158,10 @@ class EngineServer:
             self.llm.sleep(level=level)
         return {"skipped": not self.sleep_supported}
 
+    def op_memory(self) -> dict:
+        """The engine's GPU memory by owner (extension.colo_rl_memory); for benchmarks/sleep_memory.py."""
+        return self.llm.collective_rpc("colo_rl_memory")[0]
+
     def op_load_file(self, path: str, fingerprint: str) -> dict:
         return self.llm.collective_rpc("colo_rl_load_file", args=(path, fingerprint))[0]
 

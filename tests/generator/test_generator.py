@@ -182,6 +182,13 @@ def test_unknown_and_malformed_requests_get_error_replies(engine, tiny_policy):
     assert engine.process.request("ping", timeout=30)["engine"] is True
 
 
+def test_the_memory_report_request_reaches_the_engines_worker(engine, tiny_policy):
+    engine.ensure_started(tiny_policy)
+    # On the CPU there is no GPU memory to report; on a GPU the report has torch's, vLLM's
+    # sleep-mode pool's and NVML's numbers (tests/gpu/test_gpu.py).
+    assert engine.process.request("memory", timeout=60) == {"platform": "cpu"}
+
+
 def test_cuda_ipc_is_refused_on_a_cpu_engine(tiny_model_dir, tmp_path):
     generator = VLLMGenerator(GeneratorConfig(weight_sync="cuda_ipc"), model_dir=tiny_model_dir,
                               dtype="float32", log_dir=tmp_path)

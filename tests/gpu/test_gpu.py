@@ -157,8 +157,10 @@ def test_a_sleeping_engine_holds_under_1_gib(fp32, sync_mode):
     awake = fp32.free_before_start_gib - m["memory/free_after_wake_kv_gib"]
     assert awake > 0.2 * total, f"the awake engine took only {awake:.1f} GiB of {total:.0f}: did it wake?"
     held = fp32.free_before_start_gib - free_gib()  # trainer state back on the GPU in both readings
+    report = fp32.generator.process.request("memory", timeout=60)  # by owner, for the message
+    assert "torch_reserved_gib" in report and "process_used_gib" in report, report
     assert held < ASLEEP_MAX_GIB, (f"the sleeping engine still holds {held:.2f} GiB ({sync_mode}; awake "
-                                   f"it took {awake:.1f} GiB)")
+                                   f"it took {awake:.1f} GiB); the engine's own report: {report}")
 
 
 @pytest.mark.parametrize("sync_mode", SYNC_MODES)
