@@ -48,8 +48,9 @@ class Offloader:
         self._names = {id(p): name for name, p in model.named_parameters()}
         self.overlap_restore = overlap_restore  # read at each restore(); a no-op off CUDA
         self._side = torch.cuda.Stream(self.device) if self._cuda else None
-        self._pending: tuple[torch.cuda.Event, torch.cuda.Event, int] | None = None  # copies in flight
-        self._last_background: tuple[torch.cuda.Event, torch.cuda.Event, int] | None = None
+        # The latest restore's side-stream copies: (start event, end event, bytes); None when it had none
+        self._background: tuple[torch.cuda.Event, torch.cuda.Event, int] | None = None
+        self._waited = True  # whether the current stream already waits for them
         if self._side is not None:
             # Whatever reads the optimizer's state first waits for its copies; a weak reference, so
             # the optimizer does not keep a dropped Offloader (and its pinned buffers) alive.
@@ -86,8 +87,8 @@ class Offloader:
         start = time.perf_counter()
         entries = [entry for part in sorted(self.offloaded) for entry in self._moved[part]]
         if entries:
-            self.wait()
-            self._last_background = None  # background_stats() describes this restore from here on
+            self.wait()  # offload() has waited already; this keeps the invariant local
+            self._background = None  # background_stats() describes this restore from here on
         if self._side is not None and self.overlap_restore:
             later = [e for e in entries if e[0].startswith("state:")]
             now = [e for e in entries if not e[0].startswith("state:")]
@@ -105,16 +106,15 @@ class Offloader:
         Called before anything reads the optimizer's state: hooks on optimizer.step and
         optimizer.state_dict, and offload(). Harmless when nothing is in flight, and on the CPU.
         """
-        if self._pending is not None:
-            torch.cuda.current_stream(self.device).wait_event(self._pending[1])
-            self._last_background, self._pending = self._pending, None
+        if not self._waited:
+            torch.cuda.current_stream(self.device).wait_event(self._background[1])
+            self._waited = True
 
     def background_stats(self) -> dict[str, float]:
         """Seconds and bytes of the last background restore, once its copies have finished ({} before)."""
-        done = self._last_background or self._pending
-        if done is None or not done[1].query():
+        if self._background is None or not self._background[1].query():
             return {}
-        started, ended, nbytes = done
+        started, ended, nbytes = self._background
         return {"offloader/restore_background_s": started.elapsed_time(ended) / 1000,
                 "offloader/restore_background_bytes": float(nbytes)}
 
@@ -172,7 +172,6 @@ class Offloader:
         """
         if not entries:
             return 0
-        self.wait()
         targets = [torch.empty_like(tensor.data, device=device) for _, tensor, device in entries]
         started, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         self._side.wait_stream(torch.cuda.current_stream(self.device))
@@ -185,7 +184,7 @@ class Offloader:
         for target, (_, tensor, _) in zip(targets, entries):
             tensor.data = target
             nbytes += target.nbytes
-        self._pending = (started, ended, nbytes)
+        self._background, self._waited = (started, ended, nbytes), False
         return nbytes
 
     def _tensors(self, part: str) -> Iterator[tuple[str, torch.Tensor]]:
