@@ -94,8 +94,9 @@ def timed(into: dict, key: str):
     into[key] = time.perf_counter() - start
 
 
-def log(message: str) -> None:
-    print(f"[colocation {time.strftime('%H:%M:%S')}] {message}", flush=True)
+def log(message: str, name: str = "colocation") -> None:
+    """A timestamped progress line; the other benchmarks pass their own name."""
+    print(f"[{name} {time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
 # -- setup ----------------------------------------------------------------------------------
@@ -288,11 +289,11 @@ def recording_offloader(trainer):
     return RecordingOffloader(trainer.model, trainer.optimizer, "all")
 
 
-def measured_step(generator, trainer, offloader, prompts, sampling) -> dict:
-    """One colocated step through the generator, and its record."""
+def measured_step(generator, trainer, offloader, prompts, sampling):
+    """One colocated step through the generator: its record, and its rollouts."""
     offloader.calls.clear()
     rollouts = generator.generate(prompts, sampling, model=trainer.model, offloader=offloader, seed=0)
-    return step_record(rollouts, offloader)
+    return step_record(rollouts, offloader), rollouts
 
 
 def step_record(rollouts, offloader) -> dict:
@@ -311,8 +312,11 @@ def step_record(rollouts, offloader) -> dict:
 
 
 def free_gib() -> float:
+    """Free GPU memory after emptying torch's cache (NaN without a GPU: CPU checks of the scripts)."""
     import torch
 
+    if not torch.cuda.is_available():
+        return float("nan")
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     return torch.cuda.mem_get_info()[0] / GIB
@@ -343,7 +347,7 @@ def colocated(args, trainer, model_dir: Path, prompts, sampling, log_dir: Path) 
             generator.weight_sync = mode  # chosen per step: one engine serves both modes
             steps = []
             for step in range(args.steps):
-                steps.append(measured_step(generator, trainer, offloader, prompts, sampling))
+                steps.append(measured_step(generator, trainer, offloader, prompts, sampling)[0])
                 # The same restore again at once, the engine asleep and nothing just released by
                 # it: in-step restores ran at 56-62% of the pinned bandwidth, isolated ones at 93%.
                 offloader.offload()
@@ -373,7 +377,7 @@ def restore_probes(generator, trainer, offloader, prompts, sampling, steps: int 
         offloader.probe = probe
         records = []
         for _ in range(steps):
-            records.append(measured_step(generator, trainer, offloader, prompts, sampling))
+            records.append(measured_step(generator, trainer, offloader, prompts, sampling)[0])
         probes[probe] = {"steps": records, "median": medians(records)}
         m = probes[probe]["median"]
         log(f"restore probe {probe}: restore {m['offloader/restore_s']:.3f} s, "
@@ -396,9 +400,7 @@ def overlap_section(args, generator, trainer, offloader, prompts, sampling) -> d
     for pair in range(args.overlap_pairs):
         for mode in (("off", "on") if pair % 2 == 0 else ("on", "off")):
             offloader.overlap_restore = mode == "on"
-            offloader.calls.clear()
-            rollouts = generator.generate(prompts, sampling, model=trainer.model, offloader=offloader, seed=0)
-            record = step_record(rollouts, offloader)
+            record, rollouts = measured_step(generator, trainer, offloader, prompts, sampling)
             torch.cuda.current_stream().synchronize()
             start = time.perf_counter()
             trainer.train_step(prompts[:k], rollouts.completion_ids[:k * sampling.n],

@@ -25,12 +25,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import subprocess
 import sys
 import tempfile
-import time
 from contextlib import ExitStack
 from pathlib import Path
 from statistics import median
@@ -39,8 +39,7 @@ import colocation  # benchmarks/ is on sys.path when this file runs
 from colocation import ROOT, save
 
 
-def log(message: str) -> None:
-    print(f"[generate_ab {time.strftime('%H:%M:%S')}] {message}", flush=True)
+log = functools.partial(colocation.log, name="generate_ab")
 
 
 def parse_args(argv=None) -> argparse.Namespace:

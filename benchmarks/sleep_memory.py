@@ -16,15 +16,15 @@ script runs: memory is NaN there.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import tempfile
-import time
 from pathlib import Path
 from statistics import median
 
 import colocation  # benchmarks/ is on sys.path when this file runs
-from colocation import save
+from colocation import free_gib, save
 
 VARIANTS = {
     "capture_256": {"compilation_config": {"max_cudagraph_capture_size": 256}},
@@ -32,8 +32,7 @@ VARIANTS = {
 }
 
 
-def log(message: str) -> None:
-    print(f"[sleep_memory {time.strftime('%H:%M:%S')}] {message}", flush=True)
+log = functools.partial(colocation.log, name="sleep_memory")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -43,17 +42,6 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help='{"name": {vllm.LLM kwargs}, ...}; {} for the defaults (default: %(default)s)')
     colocation.add_workload_arguments(p, gpu_memory_utilization=0.5)
     return p.parse_args(argv)
-
-
-def free_gib() -> float:
-    """Free GPU memory after emptying torch's cache (NaN on a CPU-only machine)."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return float("nan")
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    return torch.cuda.mem_get_info()[0] / colocation.GIB
 
 
 def measure(args, name: str, engine_kwargs: dict, policy, model_dir: Path, prompts, sampling) -> dict:
