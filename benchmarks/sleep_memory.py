@@ -1,6 +1,6 @@
 """What a sleeping engine keeps on the GPU, per CUDA-graph setting, and what the setting costs.
 
-    python benchmarks/sleep_memory.py --out $OUT/sleep_memory.json        # ~4 min on the H200
+    python benchmarks/sleep_memory.py --out $OUT/sleep_memory.json        # not yet run on the H200; estimate: 2 engine starts of ~2 min
 
 Issue #6 asks that free GPU memory while the engine sleeps be within 1 GiB of free memory before
 it started. With CUDA graphs the 1B shape's engine kept 1.19 GiB asleep, eager 0.83 GiB: vLLM's
