@@ -11,10 +11,11 @@ that a slow minute slows both halves of a pair:
     awake (this process never imports vllm);
   - colo_rl: the VLLMGenerator of a run (engine asleep between steps, the policy's weights pushed
     each step, prefix cache reset), with the same prompts, sampling and engine settings.
-With --variant (generator config overrides, e.g. '{"in_process": false}') and/or --variant-env
-(environment of its worker, e.g. COLO_RL_FLAT_LOGPROBS=0) a second colo_rl engine joins as a third
-arm, and each round runs all three (A B C, then C B A): a change to colo_rl's engine is then
-measured against colo_rl and bare vLLM in the same minute.
+Each --variant NAME=JSON adds another colo_rl engine as one more arm: JSON holds generator config
+overrides, and "env" the environment of its worker, e.g.
+    --variant 'separate_core={"in_process": false}' --variant 'dict_logprobs={"env": {"COLO_RL_FLAT_LOGPROBS": "0"}}'
+Each round runs every arm (colo_rl, the variants, bare; then the reverse): a change to colo_rl's
+engine is measured against colo_rl and bare vLLM in the same minute.
 Every engine takes --gpu-memory-utilization (only one colo_rl engine is awake at a time, and the
 policy stays on the GPU: no optimizer state, nothing offloaded). It writes each round's seconds
 and ratios, and prints the median ratios. On a machine without a GPU it runs the tiny model
@@ -45,13 +46,27 @@ log = functools.partial(colocation.log, name="generate_ab")
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--pairs", type=int, default=10, help="rounds: each times every arm once")
-    p.add_argument("--variant", type=json.loads, default=None, metavar="JSON",
-                   help="generator config overrides for a second colo_rl engine (a third arm), "
-                        "e.g. '{\"in_process\": false}'")
-    p.add_argument("--variant-env", action="append", default=[], metavar="KEY=VALUE",
-                   help="environment of the variant's worker (repeatable), e.g. COLO_RL_FLAT_LOGPROBS=0")
+    p.add_argument("--variant", type=parse_variant, action="append", default=[], metavar="NAME=JSON",
+                   help="another colo_rl engine, one more arm (repeatable): generator config overrides, "
+                        "and \"env\" for its worker's environment, e.g. "
+                        "'dict_logprobs={\"env\": {\"COLO_RL_FLAT_LOGPROBS\": \"0\"}}'")
     colocation.add_workload_arguments(p, gpu_memory_utilization=0.35)  # two engines on one GPU
     return p.parse_args(argv)
+
+
+def parse_variant(text: str) -> tuple[str, dict, dict]:
+    """NAME=JSON -> (name, generator config overrides, worker environment)."""
+    name, sep, spec = text.partition("=")
+    if not sep or not name.isidentifier() or name in ("colo_rl", "bare"):
+        raise argparse.ArgumentTypeError(f"{text!r}: want NAME=JSON, NAME an identifier other than colo_rl and bare")
+    try:
+        overrides = json.loads(spec)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"{name}: {spec!r} is not JSON ({e})") from None
+    if not isinstance(overrides, dict):
+        raise argparse.ArgumentTypeError(f"{name}: want a JSON object, got {spec!r}")
+    env = overrides.pop("env", {})
+    return name, overrides, {str(k): str(v) for k, v in env.items()}
 
 
 class BareServer:
@@ -93,10 +108,14 @@ def main(argv=None) -> int:
     from colo_rl.generator import VLLMGenerator
     from colo_rl.models import load_policy, write_embedded_model
 
-    if args.variant is not None:
-        unknown = set(args.variant) - {f.name for f in dataclasses.fields(colocation.generator_config(args))}
-        if unknown:
-            raise SystemExit(f"--variant: {sorted(unknown)} are not generator config keys (colo_rl/config.py)")
+    keys = {f.name for f in dataclasses.fields(colocation.generator_config(args))}
+    names = [name for name, _, _ in args.variant]
+    if len(set(names)) != len(names):
+        raise SystemExit(f"--variant: names repeat: {names}")
+    for name, overrides, _ in args.variant:
+        if set(overrides) - keys:
+            raise SystemExit(f"--variant {name}: {sorted(set(overrides) - keys)} are not generator config keys "
+                             "(colo_rl/config.py GeneratorConfig)")
     cuda = torch.cuda.is_available()
     cfg = colocation.model_config(args.model)
     prompts, sampling = colocation.workload(args, cfg.embedded.vocab_size)
@@ -119,12 +138,12 @@ def main(argv=None) -> int:
             with ExitStack() as engines:
                 arms = {"colo_rl": start_colo_rl(engines, colocation.generator_config(args), {}, model_dir,
                                                  cfg.dtype, log_dir, policy, prompts, sampling, results, "colo_rl")}
-                if args.variant is not None or args.variant_env:
-                    variant = dataclasses.replace(colocation.generator_config(args), **(args.variant or {}))
-                    env = dict(item.split("=", 1) for item in args.variant_env)
-                    results["variant"] = {"overrides": args.variant or {}, "env": env}
-                    arms["variant"] = start_colo_rl(engines, variant, env, model_dir, cfg.dtype,
-                                                    log_dir / "variant", policy, prompts, sampling, results, "variant")
+                results["variants"] = {}
+                for name, overrides, env in args.variant:
+                    results["variants"][name] = {"overrides": overrides, "env": env}
+                    arms[name] = start_colo_rl(engines, dataclasses.replace(colocation.generator_config(args), **overrides),
+                                               env, model_dir, cfg.dtype, log_dir / name, policy, prompts, sampling,
+                                               results, name)
                 arms["bare"] = None
                 order = list(arms)
                 for i in range(args.pairs):
@@ -137,9 +156,9 @@ def main(argv=None) -> int:
                             pair[f"{arm}_s"] = m["timing/generate_s"]
                             pair[f"{arm}_engine_s"] = m["generator/engine_generate_s"]
                     pair["speed_vs_bare"] = pair["bare_s"] / pair["colo_rl_s"]
-                    if "variant" in arms:
-                        pair["variant_speed_vs_bare"] = pair["bare_s"] / pair["variant_s"]
-                        pair["variant_engine_vs_colo_rl_engine"] = pair["colo_rl_engine_s"] / pair["variant_engine_s"]
+                    for name in results["variants"]:
+                        pair[f"{name}_speed_vs_bare"] = pair["bare_s"] / pair[f"{name}_s"]
+                        pair[f"{name}_engine_vs_colo_rl_engine"] = pair["colo_rl_engine_s"] / pair[f"{name}_engine_s"]
                     results["pairs"].append(pair)
                     save(args.out, results)  # a run cut off by a time limit keeps its rounds
                     log(f"round {i + 1}/{args.pairs}: " + ", ".join(f"{k} {v:.3f}" for k, v in pair.items()))
@@ -184,12 +203,14 @@ def summarize(results: dict) -> None:
           f"(min {ratios[0]:.3f}, max {ratios[-1]:.3f}); llm.generate in colo_rl's worker / bare: "
           f"{results['median_engine_speed_vs_bare']:.3f}x; colo_rl's request round trip around llm.generate: "
           f"median {results['median_rpc_overhead_s'] * 1000:.0f} ms")
-    if pairs and "variant_s" in pairs[0]:
-        results["median_variant_speed_vs_bare"] = median(p["variant_speed_vs_bare"] for p in pairs)
-        results["median_variant_engine_vs_colo_rl_engine"] = median(p["variant_engine_vs_colo_rl_engine"] for p in pairs)
-        print(f"variant {results['variant']}: generate speed / bare {results['median_variant_speed_vs_bare']:.3f}x; "
-              f"its llm.generate / colo_rl's: {results['median_variant_engine_vs_colo_rl_engine']:.3f}x speed")
-
+    for name, variant in results.get("variants", {}).items():
+        variant["median_speed_vs_bare"] = median(p[f"{name}_speed_vs_bare"] for p in pairs)
+        variant["median_engine_speed_vs_bare"] = median(p["bare_s"] / p[f"{name}_engine_s"] for p in pairs)
+        variant["median_engine_vs_colo_rl_engine"] = median(p[f"{name}_engine_vs_colo_rl_engine"] for p in pairs)
+        faster = sum(p[f"{name}_engine_vs_colo_rl_engine"] > 1 for p in pairs)
+        print(f"{name} {variant['overrides'] or ''}{variant['env'] or ''}: generate speed / bare "
+              f"{variant['median_speed_vs_bare']:.3f}x; its llm.generate / colo_rl's: "
+              f"{variant['median_engine_vs_colo_rl_engine']:.3f}x speed (faster in {faster} of {len(pairs)} rounds)")
 
 if __name__ == "__main__":
     sys.exit(main())
