@@ -63,9 +63,9 @@ def add_workload_arguments(p: argparse.ArgumentParser, gpu_memory_utilization: f
     p.add_argument("--max-tokens", type=int, default=256, help="new tokens per completion")
     p.add_argument("--gpu-memory-utilization", type=float, default=gpu_memory_utilization,
                    help="the share of the GPU each engine may take while awake")
-    p.add_argument("--engine-core-process", action="store_true",
-                   help="run vLLM's engine core in its own process (generator.in_process=false), "
-                        "as the bare vLLM run does, instead of inside the worker")
+    p.add_argument("--in-process", choices=("auto", "true", "false"), default="auto",
+                   help="generator.in_process: where vLLM's engine core runs (auto: colo_rl's default, "
+                        "its own process on a GPU as in bare vLLM, inside the worker on CPU)")
 
     def json_object(text: str) -> dict:
         try:
@@ -132,7 +132,7 @@ def generator_config(args, **overrides):
     return GeneratorConfig(gpu_memory_utilization=args.gpu_memory_utilization,
                            max_model_len=args.prompt_len + args.max_tokens,
                            max_num_seqs=max(256, args.prompts * args.n),
-                           in_process=not args.engine_core_process, engine_kwargs=args.engine_kwargs,
+                           in_process={"auto": None, "true": True, "false": False}[args.in_process], engine_kwargs=args.engine_kwargs,
                            **overrides)
 
 

@@ -1,6 +1,6 @@
 """What a sleeping engine keeps on the GPU, per CUDA-graph setting, and what the setting costs.
 
-    python benchmarks/sleep_memory.py --out $OUT/sleep_memory.json        # not yet run on the H200; estimate: 2 engine starts of ~2 min
+    python benchmarks/sleep_memory.py --out $OUT/sleep_memory.json        # ~100 s per variant on the H200
 
 Issue #6 asks that free GPU memory while the engine sleeps be within 1 GiB of free memory before
 it started. With CUDA graphs the 1B shape's engine kept 1.19 GiB asleep, eager 0.83 GiB: vLLM's
@@ -9,7 +9,9 @@ sleep releases the weights and the KV cache, not the CUDA-graph memory pool. For
 engine with the policy on the GPU (no optimizer, nothing offloaded), runs --steps generate steps
 after the one that starts it, and records free memory before the start, after each step's sleep
 and after the engine is closed, the engine start time (graph capture included) and tokens/s.
-On a machine without a GPU (`--model tiny --variants '{"eager": {}}'`) it only checks that the
+The first variant's reading also holds what the trainer's allocator keeps after its first push
+(0.09 GiB on the H200): `engine_process_gib`, NVML's total for the engine process, is the engine's
+own share. On a machine without a GPU (`--model tiny --variants '{"eager": {}}'`) it only checks that the
 script runs: memory is NaN there.
 """
 
@@ -27,6 +29,7 @@ import colocation  # benchmarks/ is on sys.path when this file runs
 from colocation import free_gib, save
 
 VARIANTS = {
+    "default": {},  # colo_rl's GPU default: CUDA graphs up to 512 tokens, FULL_AND_PIECEWISE
     "capture_256": {"compilation_config": {"max_cudagraph_capture_size": 256}},
     "full_decode_only": {"compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY"}},
 }
@@ -44,7 +47,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def measure(args, name: str, engine_kwargs: dict, policy, model_dir: Path, prompts, sampling) -> dict:
+def measure(args, name: str, engine_kwargs: dict, policy, model_dir: Path, prompts, sampling,
+            results: dict) -> dict:
+    """One variant, kept in results["variants"][name] and saved after every step (a run cut off
+    by a time limit keeps the steps it measured)."""
     from colo_rl.generator import VLLMGenerator
 
     settings = argparse.Namespace(**{**vars(args), "engine_kwargs": {**args.engine_kwargs, **engine_kwargs}})
@@ -54,6 +60,7 @@ def measure(args, name: str, engine_kwargs: dict, policy, model_dir: Path, promp
     cfg = colocation.generator_config(settings, weight_sync="cuda_ipc" if on_gpu else "file",
                                       enforce_eager=not on_gpu)
     result = {"engine_kwargs": cfg.engine_kwargs, "free_before_engine_start_gib": free_gib(), "steps": []}
+    results["variants"][name] = result
     generator = VLLMGenerator(cfg, model_dir=model_dir, dtype="bfloat16",
                               log_dir=args.out.parent / f"{args.out.stem}_logs" / name)
     with generator:
@@ -69,12 +76,14 @@ def measure(args, name: str, engine_kwargs: dict, policy, model_dir: Path, promp
                 result["server_start_s"] = m.get("timing/server_start_s")
             else:
                 result["steps"].append(record)
+            save(args.out, results)
             log(f"{name} step {step}: {record['tokens_per_s']:.0f} tokens/s, "
                 f"{result['free_before_engine_start_gib'] - record['free_asleep_gib']:.2f} GiB held asleep")
     result["free_after_close_gib"] = free_gib()
     steps = result["steps"] or [result["first_step"]]
     result["held_asleep_gib"] = result["free_before_engine_start_gib"] - median(s["free_asleep_gib"] for s in steps)
     result["tokens_per_s"] = median(s["tokens_per_s"] for s in steps)
+    result["engine_process_gib"] = median(s["engine_memory"].get("process_used_gib", float("nan")) for s in steps)
     return result
 
 
@@ -95,12 +104,12 @@ def main(argv=None) -> int:
         policy = load_policy(cfg, model_dir, "cuda" if torch.cuda.is_available() else "cpu")
         for name, engine_kwargs in args.variants.items():
             log(f"{name}: {engine_kwargs}")
-            results["variants"][name] = measure(args, name, engine_kwargs, policy, model_dir, prompts, sampling)
+            measure(args, name, engine_kwargs, policy, model_dir, prompts, sampling, results)
             save(args.out, results)
-    print(f"\n{'variant':20} {'held asleep':>12} {'engine start':>13} {'tokens/s':>10}")
+    print(f"\n{'variant':20} {'held asleep':>12} {'engine process':>15} {'engine start':>13} {'tokens/s':>10}")
     for name, r in results["variants"].items():
-        print(f"{name:20} {r['held_asleep_gib']:>8.2f} GiB {r.get('server_start_s', float('nan')):>11.1f} s "
-              f"{r['tokens_per_s']:>10.0f}")
+        print(f"{name:20} {r['held_asleep_gib']:>8.2f} GiB {r['engine_process_gib']:>11.2f} GiB "
+              f"{r.get('server_start_s', float('nan')):>11.1f} s {r['tokens_per_s']:>10.0f}")
     return 0
 
 

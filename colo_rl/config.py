@@ -124,9 +124,11 @@ class GeneratorConfig:
     start_timeout_s: float = 600.0
     request_timeout_s: float = 600.0
     restart_on_failure: bool = False
-    # Run vLLM's engine core inside the worker process (one interpreter start instead of three:
-    # 21 s instead of 56 s to start on 2 CPU cores). false: vLLM's own engine-core subprocess.
-    in_process: bool = True
+    # Where vLLM's engine core runs. true: inside the worker process (one interpreter start instead
+    # of three: 21 s instead of 56 s to start on 2 CPU cores). false: vLLM's own engine-core
+    # subprocess, whose output processing overlaps the next forward (on the H200 its llm.generate
+    # ran 1.23x faster, benchmarks/RESULTS.md). null: false on a GPU, true on CPU.
+    in_process: Optional[bool] = None
     engine_kwargs: dict[str, Any] = field(default_factory=dict)  # passed through to vllm.LLM
 
     def __post_init__(self) -> None:

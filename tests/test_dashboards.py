@@ -25,7 +25,8 @@ from experiments.dashboards.colo_rl_workspace import (SECTIONS, SUMMARY_AGGREGAT
 from .conftest import CONF, EXPERIMENTS, ROOT, compose_config
 
 # Real `python -m colo_rl.run` runs on the lent H200 (benchmarks/RESULTS.md), both weight syncs:
-# the only real runs here that log memory/* (free GPU memory is measured on CUDA only).
+# the only real runs here that log memory/* (free GPU memory is measured on CUDA only) and
+# offloader/* (the background restore runs on CUDA only).
 H200_RUNS = sorted((ROOT / "benchmarks" / "results").glob("run_1b_*_h200_*.jsonl"))
 
 
@@ -71,9 +72,9 @@ def test_the_stacked_timing_panel_lists_every_in_step_phase_in_step_order(worksp
 def test_every_per_step_key_the_panels_plot_is_logged_by_a_real_run(workspace, short_run_dir):
     cpu_run = records_of(short_run_dir / "metrics.jsonl")
     gpu_runs = [records_of(path) for path in H200_RUNS]
-    assert len(gpu_runs) == 2
+    assert {path.name.split("_h200_")[0] for path in H200_RUNS} == {"run_1b_cuda_ipc", "run_1b_file"}
     history = referenced_keys(workspace)["history"]
-    cuda_only = {k for k in history if k.startswith("memory/")}
+    cuda_only = {k for k in history if k.startswith(("memory/", "offloader/"))}
     # the shared engine may have started in an earlier test: then no step of this run started it
     start_only = set(ENGINE_START_KEYS) - logged_keys(cpu_run)
     missing = history - cuda_only - start_only - logged_keys(cpu_run)

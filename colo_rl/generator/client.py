@@ -232,6 +232,14 @@ class VLLMGenerator:
         self.pushes = 0
         self._unreported_start_s: float | None = None
 
+    @property
+    def in_process(self) -> bool:
+        """generator.in_process, with null resolved: vLLM's own engine-core process on a GPU
+        (faster generation), the engine core inside the worker on CPU (faster start)."""
+        if self.cfg.in_process is not None:
+            return self.cfg.in_process
+        return self.cfg.device == "cpu" or (self.cfg.device == "auto" and not torch.cuda.is_available())
+
     # -- lifecycle -------------------------------------------------------------------------
 
     def _env(self) -> dict[str, str]:
@@ -240,7 +248,7 @@ class VLLMGenerator:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.cfg.cpu_kvcache_gib))
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
-        if self.cfg.in_process:
+        if self.in_process:
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         if self.cfg.device == "cpu":
             env["CUDA_VISIBLE_DEVICES"] = ""
@@ -254,7 +262,7 @@ class VLLMGenerator:
                       gpu_memory_utilization=self.cfg.gpu_memory_utilization,
                       max_model_len=self.cfg.max_model_len, max_num_seqs=self.cfg.max_num_seqs,
                       enforce_eager=self.cfg.enforce_eager, trust_remote_code=self.trust_remote_code)
-        if self.cfg.in_process:
+        if self.in_process:
             kwargs["distributed_executor_backend"] = "uni"
         kwargs.update(self.cfg.engine_kwargs)
         return kwargs
@@ -293,7 +301,7 @@ class VLLMGenerator:
                 f"{plan['unmapped'][:10]}, engine parameters nothing loads {plan['uncovered'][:10]}. "
                 f"Check that model.* describes the same architecture the engine runs",
                 phase="plan", log_path=self.log_path)
-        self.engine_info = {**info, **plan}
+        self.engine_info = {**info, **plan, "in_process": self.in_process}
         self.weight_sync = self._choose_weight_sync(info)
         return self.engine_info
 

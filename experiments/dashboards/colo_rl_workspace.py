@@ -55,6 +55,8 @@ def timing_section() -> ws.Section:
         _line("seconds per phase, stacked in step order", STEP_TIMING_KEYS, plot_type="stacked-area",
               title_y="s"),
         _line("share of the step per phase", STEP_TIMING_KEYS, plot_type="pct-area"),
+        _line("restore: what the step waits for, and the AdamW moments copied beside train (CUDA)",
+              ["timing/restore_s", "offloader/restore_background_s"], title_y="s"),
         _line("step wall clock and generator cycle",
               ["timing/step_s", "timing/generator_total_s", "timing/wake_s"], title_y="s"),
         _line("time outside generate and train (share of the step)",

@@ -8,6 +8,7 @@ import logging
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client
 
+import psutil
 import pytest
 import torch
 
@@ -194,3 +195,12 @@ def test_cuda_ipc_is_refused_on_a_cpu_engine(tiny_model_dir, tmp_path):
                               dtype="float32", log_dir=tmp_path)
     with pytest.raises(GeneratorError, match="weight_sync=cuda_ipc needs the trainer and the engine on one CUDA GPU"):
         generator._choose_weight_sync({"platform": "cpu"})
+
+
+def test_on_cpu_the_engine_core_runs_inside_the_worker_by_default(engine, tiny_policy):
+    """generator.in_process=null: inside the worker on CPU (the engine starts twice as fast), vLLM's
+    own engine-core process on a GPU (benchmarks/RESULTS.md: 1.23x faster llm.generate there)."""
+    engine.generate(PROMPTS[:1], GREEDY, model=tiny_policy)
+    assert engine.cfg.in_process is None and engine.engine_info["in_process"] is True
+    # with in_process=false the worker has a child, vLLM's "VLLM::EngineCore"
+    assert psutil.Process(engine.process.pid).children(recursive=True) == []
