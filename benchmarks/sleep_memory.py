@@ -9,8 +9,8 @@ sleep releases the weights and the KV cache, not the CUDA-graph memory pool. For
 engine with the policy on the GPU (no optimizer, nothing offloaded), runs --steps generate steps
 after the one that starts it, and records free memory before the start, after each step's sleep
 and after the engine is closed, the engine start time (graph capture included) and tokens/s.
-The first variant's reading also holds what the trainer's allocator keeps after its first push
-(0.09 GiB on the H200): `engine_process_gib`, NVML's total for the engine process, is the engine's
+The first variant's reading also holds what the trainer process took at its first push and kept
+(0.09 GiB on the H200; not torch's cache, which every reading empties): `engine_process_gib`, NVML's total for the engine process, is the engine's
 own share. On a machine without a GPU (`--model tiny --variants '{"eager": {}}'`) it only checks that the
 script runs: memory is NaN there.
 """
