@@ -10,8 +10,10 @@ it measures, in this order:
   3. colo_rl's generator (one engine start): --steps steps with weight_sync=cuda_ipc, then
      --steps with weight_sync=file, each phase's median, the offloader's bandwidth and the GPU
      memory the sleeping engine keeps (these restore everything before the step goes on:
-     trainer.overlap_restore=false); then --overlap-pairs pairs of cuda_ipc steps followed by a
-     GRPO train step, with the optimizer state restored in the background and without;
+     trainer.overlap_restore=false); then --overlap-pairs rounds of cuda_ipc steps followed by a
+     GRPO train step, three arms each: the optimizer state restored inside the phase, in the
+     background, and in the background with the restore before the engine's sleep
+     (trainer.restore_while_awake);
   4. a bare vllm.LLM.generate of the same prompts in a subprocess (benchmarks/bare_vllm.py; this
      process never imports vllm), so the generator's cost on generation is a ratio.
 Prints a table at the end and writes every raw number to --out. Details: benchmarks/README.md.
@@ -386,20 +388,25 @@ def restore_probes(generator, trainer, offloader, prompts, sampling, steps: int 
     return probes
 
 
+# (trainer.overlap_restore, trainer.restore_while_awake) of each arm of overlap_section()
+OVERLAP_MODES = {"off": (False, False), "on": (True, False), "awake": (True, True)}
+
+
 def overlap_section(args, generator, trainer, offloader, prompts, sampling) -> dict:
-    """cuda_ipc steps each followed by a GRPO train step, as in a run, in ABBA pairs: the
-    optimizer state restored inside the restore phase (off), or on a side stream under scoring
-    and the train step's forward/backward (on). Time the train step too, or the hidden copy
-    only moves out of the measured window."""
+    """cuda_ipc steps each followed by a GRPO train step, as in a run, in rounds of three arms
+    (forward, then reversed): the optimizer state restored inside the restore phase (off), or on a
+    side stream under scoring and the train step's forward/backward (on), and that with the restore
+    before the engine's sleep when the GPU has room (awake). Time the train step too, or the
+    hidden copy only moves out of the measured window."""
     import torch
 
     generator.weight_sync = "cuda_ipc"
     k = min(args.train_prompts, len(prompts))
     rng = random.Random(2)
-    records: dict[str, list[dict]] = {"off": [], "on": []}
+    records: dict[str, list[dict]] = {mode: [] for mode in OVERLAP_MODES}
     for pair in range(args.overlap_pairs):
-        for mode in (("off", "on") if pair % 2 == 0 else ("on", "off")):
-            offloader.overlap_restore = mode == "on"
+        for mode in (list(OVERLAP_MODES) if pair % 2 == 0 else list(OVERLAP_MODES)[::-1]):
+            offloader.overlap_restore, offloader.restore_while_awake = OVERLAP_MODES[mode]
             record, rollouts = measured_step(generator, trainer, offloader, prompts, sampling)
             torch.cuda.current_stream().synchronize()
             start = time.perf_counter()
@@ -411,10 +418,11 @@ def overlap_section(args, generator, trainer, offloader, prompts, sampling) -> d
             record["restore_and_train_s"] = record["timing/restore_s"] + record["train_s"]
             record["step_s"] = record["timing/generator_total_s"] + record["train_s"]
             records[mode].append(record)
+            record["restored_awake"] = record.get("generator/restored_awake", 0.0)
             log(f"overlap {mode}: restore {record['timing/restore_s']:.3f} s, train {record['train_s']:.3f} s, "
                 f"background copy {record.get('offloader/restore_background_s', 0.0):.3f} s, "
                 f"switch overhead {record['switch_overhead_s']:.3f} s")
-    offloader.overlap_restore = False
+    offloader.overlap_restore, offloader.restore_while_awake = OVERLAP_MODES["off"]
     return {"train_sequences": k * sampling.n,
             **{mode: {"steps": steps, "median": medians(steps)} for mode, steps in records.items()}}
 
@@ -476,26 +484,29 @@ def summary_rows(results: dict) -> list[tuple[str, str, str]]:
     return rows
 
 
-def overlap_rows(results: dict) -> list[tuple[str, str, str]]:
-    """(what, off, on) rows for the background restore: the medians of overlap_section()."""
+def overlap_rows(results: dict) -> list[tuple[str, ...]]:
+    """(what, off, on, awake) rows for the background restore: the medians of overlap_section()."""
     section = results["colocated"].get("overlap")
     if not section or not section["on"]["steps"]:
         return []
-    off, on = section["off"]["median"], section["on"]["median"]
+    arms = [section[mode]["median"] for mode in OVERLAP_MODES if mode in section]
     keys = [("restore (waited for)", "timing/restore_s"),
             ("  copied in the background", "offloader/restore_background_s"),
+            ("  before the engine's sleep (share of steps)", "restored_awake"),
+            ("sleep", "timing/sleep_s"),
             (f"train step ({section['train_sequences']} sequences)", "train_s"),
             ("restore + train", "restore_and_train_s"),
             ("switch overhead (total - generate)", "switch_overhead_s"),
             ("generator total + train", "step_s")]
-    return [(label, *(f"{m[key]:.3f} s" if key in m else "-" for m in (off, on))) for label, key in keys]
+    return [(label, *((f"{m[key]:.2f}" if key == "restored_awake" else f"{m[key]:.3f} s") if key in m else "-"
+                      for m in arms)) for label, key in keys]
 
 
 def print_table(rows, columns=("cuda_ipc", "file")) -> None:
     width = max(len(r[0]) for r in rows)
-    print(f"\n{'':{width}}  {columns[0]:>18}  {columns[1]:>18}")
-    for label, a, b in rows:
-        print(f"{label:{width}}  {a:>18}  {b:>18}")
+    print(f"\n{'':{width}}" + "".join(f"  {c:>18}" for c in columns))
+    for label, *cells in rows:
+        print(f"{label:{width}}" + "".join(f"  {c:>18}" for c in cells))
 
 
 def save(path: Path, results: dict) -> None:
@@ -548,7 +559,7 @@ def main(argv=None) -> int:
     save(args.out, results)
     print_table(summary_rows(results))
     if overlap_rows(results):
-        print_table(overlap_rows(results), columns=("overlap off", "overlap on"))
+        print_table(overlap_rows(results), columns=("overlap off", "overlap on", "on + while awake"))
     log(f"done in {results['wall_s']:.0f} s; raw numbers in {args.out}")
     return 0
 

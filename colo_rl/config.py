@@ -167,6 +167,10 @@ class TrainerConfig:
     bf16_autocast: bool = False  # GPU only
     offload: str = "all"  # all | optimizer | none: what leaves the GPU while the engine is awake
     overlap_restore: bool = True  # CUDA: AdamW state comes back on a side stream, under the next step's work
+    # Restore before the engine sleeps when the GPU has room for both (checked every step): the
+    # copies then run before the engine frees its memory, not in the contended second after.
+    # Not yet measured on a GPU: off by default.
+    restore_while_awake: bool = False
     seed: int = 0
     checkpoint_every: int = 0  # steps; 0: only at the end and on interruption
     resume: Optional[str] = None  # a checkpoint directory written by an earlier run

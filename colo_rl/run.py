@@ -148,7 +148,8 @@ def _train(cfg: DictConfig, settings: RunConfig, generator: VLLMGenerator | None
     trainer = GRPOTrainer(policy, t, pad_token_id=tokenizer.pad_token_id,
                           temperature=s.temperature, max_tokens=s.max_tokens, device=device,
                           parallel=par)
-    offloader = Offloader(policy, trainer.optimizer, t.offload, overlap_restore=t.overlap_restore)
+    offloader = Offloader(policy, trainer.optimizer, t.offload, overlap_restore=t.overlap_restore,
+                          restore_while_awake=t.restore_while_awake)
     start_step = 0
     if t.resume:
         extra = load_checkpoint(t.resume, trainer)

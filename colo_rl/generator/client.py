@@ -201,6 +201,9 @@ class _NoOffload:
     def restore(self) -> dict:
         return {}
 
+    def fits_beside_engine(self) -> bool:
+        return False
+
 
 @dataclass
 class Rollouts:
@@ -354,8 +357,9 @@ class VLLMGenerator:
         except BaseException as exc:
             phase = timer.current or "generate"
             if not self._recover(offloader):
-                raise GeneratorError(f"{exc}; the engine could not be stopped, so the trainer's "
-                                     "state stays on the CPU", phase=phase,
+                state = ("so the trainer's state stays on the CPU" if getattr(offloader, "offloaded", None)
+                         else "the trainer's state is on its device")
+                raise GeneratorError(f"{exc}; the engine could not be stopped, {state}", phase=phase,
                                      log_path=self.log_path) from exc
             if isinstance(exc, GeneratorError) or not isinstance(exc, Exception):
                 raise  # already names its phase, or an interrupt the runner checkpoints on
@@ -422,13 +426,21 @@ class VLLMGenerator:
                                        sampling=self._sampling_params(sampling, seed))
         # llm.generate alone, and the garbage collector's pauses of the engine's process inside it
         m.update({f"generator/{k}": float(v) for k, v in out.pop("stats", {}).items()})
+        # trainer.restore_while_awake: with room for both, the trainer's copies run before the
+        # engine frees its memory, not in the contended second after its sleep
+        restore_awake = offloader.fits_beside_engine()
+        if restore_awake:
+            with timer.phase("restore"):
+                offloader.restore()
         with timer.phase("sleep"):
             slept = self.process.request("sleep", timeout=r, level=self.cfg.sleep_level)
         timer.memory("sleep")
-        with timer.phase("restore"):
-            offloader.restore()
+        if not restore_awake:
+            with timer.phase("restore"):
+                offloader.restore()
         timer.memory("restore")
         m["generator/sleep_skipped"] = float(slept["skipped"])
+        m["generator/restored_awake"] = float(restore_awake)
         return self._rollouts(prompt_ids, out, sampling.n, m)
 
     def _push_ipc(self, model: torch.nn.Module) -> dict:

@@ -12,6 +12,9 @@ overlap the next step's scoring and forward/backward instead of lengthening the 
 GPU, without blocking the host) before anything reads that state: optimizer.step and
 optimizer.state_dict call it through hooks, and the next offload does. Code that reads
 `optimizer.state` tensors some other way calls `wait()` first.
+
+`restore_while_awake` (trainer.restore_while_awake) lets the generator restore before the engine
+sleeps, when `fits_beside_engine()` finds room for everything offloaded on the device.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ class Offloader:
     """Moves trainer state (params, buffers, grads, optimizer state) between its device and host buffers."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, policy: str = "all",
-                 overlap_restore: bool = True):
+                 overlap_restore: bool = True, restore_while_awake: bool = False):
         if policy not in POLICY_PARTS:
             raise ValueError(f"offload policy={policy!r} must be one of {', '.join(POLICY_PARTS)} "
                              "(trainer.offload)")
@@ -47,6 +50,7 @@ class Offloader:
         self._moved: dict[str, list[tuple[str, torch.Tensor, torch.device]]] = {}  # part -> what left
         self._names = {id(p): name for name, p in model.named_parameters()}
         self.overlap_restore = overlap_restore  # read at each restore(); a no-op off CUDA
+        self.restore_while_awake = restore_while_awake  # read by fits_beside_engine()
         self._side = torch.cuda.Stream(self.device) if self._cuda else None
         # The latest restore's side-stream copies: (start event, end event, bytes); None when it had none
         self._background: tuple[torch.cuda.Event, torch.cuda.Event, int] | None = None
@@ -99,6 +103,18 @@ class Offloader:
         self.offloaded.clear()
         return {"seconds": time.perf_counter() - start, "bytes": float(moved),
                 "background_bytes": float(background)}
+
+    def offloaded_bytes(self) -> int:
+        """What restore() would bring back (0 when nothing is offloaded)."""
+        return sum(tensor.data.nbytes for part in self.offloaded for _, tensor, _ in self._moved[part])
+
+    def fits_beside_engine(self, margin_bytes: int = 2**30) -> bool:
+        """Whether to restore while the engine is still awake: restore_while_awake is on, something
+        is offloaded, and the device's free memory holds it with `margin_bytes` to spare (always
+        on the CPU, where the trainer's memory is not the engine's)."""
+        if not (self.restore_while_awake and self.offloaded):
+            return False
+        return not self._cuda or self._free_bytes() >= self.offloaded_bytes() + margin_bytes
 
     def wait(self) -> None:
         """Makes the current stream wait for the background restore; returns at once (on the host).

@@ -156,6 +156,25 @@ def test_unwritable_staging_dir_fails_the_step_and_restores_the_trainer(engine, 
     assert engine.generate(PROMPTS[:1], GREEDY, model=tiny_policy).completion_ids  # engine fine
 
 
+def test_restore_while_awake_restores_before_the_sleep_and_bit_exact(engine, tiny_policy):
+    """trainer.restore_while_awake: the restore phase moves before the sleep (on CPU there is
+    always room; tests/trainer/test_offload.py checks the GPU's room test)."""
+    optimizer = torch.optim.AdamW(tiny_policy.parameters(), lr=1e-3)
+    tiny_policy(torch.tensor([[5, 6, 7]])).logits.sum().backward()
+    optimizer.step()
+    before = {n: p.detach().clone() for n, p in tiny_policy.named_parameters()}
+    moments = {n: optimizer.state[p]["exp_avg"].clone() for n, p in tiny_policy.named_parameters()}
+    for awake in (False, True):
+        offloader = Offloader(tiny_policy, optimizer, "all", restore_while_awake=awake)
+        m = engine.generate(PROMPTS[:1], GREEDY, model=tiny_policy, offloader=offloader).metrics
+        assert offloader._host and offloader.offloaded == set()  # it moved the state and brought it back
+        assert m["generator/restored_awake"] == float(awake)
+        order = [key for key in m if key in ("timing/restore_s", "timing/sleep_s")]
+        assert order == (["timing/restore_s", "timing/sleep_s"] if awake else ["timing/sleep_s", "timing/restore_s"])
+        for n, p in tiny_policy.named_parameters():
+            assert torch.equal(p.detach(), before[n]) and torch.equal(optimizer.state[p]["exp_avg"], moments[n]), n
+
+
 def test_wrong_authkey_is_refused_and_the_engine_keeps_serving(engine, tiny_policy):
     engine.generate(PROMPTS[:1], GREEDY, model=tiny_policy)
     socket_path = f"{engine.process.socket_dir}/control.sock"

@@ -203,13 +203,16 @@ def test_bf16_engine_logprobs_match_the_trainers(bf16, sync_mode):
                                           f"(max {max_diff:.3f}) over {diffs.numel()} tokens")
 
 
+@pytest.mark.parametrize("awake", [False, True], ids=["restore_after_sleep", "restore_while_awake"])
 @pytest.mark.parametrize("sync_mode", SYNC_MODES)
-def test_offload_restore_through_the_generator_is_bit_exact(fp32, sync_mode):
+def test_offload_restore_through_the_generator_is_bit_exact(fp32, sync_mode, awake):
     cycled, kept = new_trainer(fp32.model_dir, "float32"), new_trainer(fp32.model_dir, "float32")
     before = {k: t.detach().clone() for k, t in state_tensors(cycled).items()}
-    offloader = Offloader(cycled.model, cycled.optimizer, "all")
+    offloader = Offloader(cycled.model, cycled.optimizer, "all", restore_while_awake=awake)
     rollouts = fp32.using(sync_mode).generate(PROMPTS, SAMPLED, model=cycled.model, offloader=offloader)
     assert offloader._host and offloader.offloaded == set()  # it did move the state, and brought it back
+    # the small engine (30% of the GPU) leaves room: the restore ran before its sleep when asked to
+    assert rollouts.metrics["generator/restored_awake"] == float(awake)
     offloader.wait()  # reading the AdamW state directly, not through optimizer.step or state_dict
     for key, tensor in state_tensors(cycled).items():
         assert tensor.device == before[key].device and torch.equal(tensor, before[key]), key

@@ -146,6 +146,29 @@ def test_restoring_what_was_not_offloaded_is_a_no_op(model_dir):
     assert all(t.data_ptr() == before[k][0] for k, t in state_tensors(trainer).items())
 
 
+def test_restore_while_awake_is_asked_for_and_needs_something_offloaded(model_dir):
+    trainer = stepped_trainer(model_dir)
+    for asked in (False, True):
+        offloader = Offloader(trainer.model, trainer.optimizer, "all", restore_while_awake=asked)
+        assert not offloader.fits_beside_engine() and offloader.offloaded_bytes() == 0  # nothing offloaded
+        moved = offloader.offload()["bytes"]
+        assert offloader.offloaded_bytes() == moved > 0
+        assert offloader.fits_beside_engine() == asked  # on the CPU there is always room
+        offloader.restore()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_cuda_restore_while_awake_needs_room_for_everything_offloaded(model_dir):
+    trainer = stepped_trainer(model_dir, "cuda")
+    offloader = Offloader(trainer.model, trainer.optimizer, "all", restore_while_awake=True)
+    offloader.offload()
+    free = torch.cuda.mem_get_info()[0]
+    assert offloader.fits_beside_engine(margin_bytes=free - offloader.offloaded_bytes() - 2**20)
+    assert not offloader.fits_beside_engine(margin_bytes=free - offloader.offloaded_bytes() + 2**20)
+    offloader.restore()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_on_cuda_buffers_are_pinned_memory_is_freed_and_cpu_step_stays(model_dir):
