@@ -430,8 +430,13 @@ class VLLMGenerator:
         # engine frees its memory, not in the contended second after its sleep
         restore_awake = offloader.fits_beside_engine()
         if restore_awake:
-            with timer.phase("restore"):
-                offloader.restore()
+            try:
+                with timer.phase("restore"):
+                    offloader.restore()
+            except torch.OutOfMemoryError as exc:  # the offloader put everything back on the host
+                log.warning("restoring beside the awake engine ran out of GPU memory (%s); restoring "
+                            "after its sleep instead", str(exc).splitlines()[0])
+                restore_awake = False
         with timer.phase("sleep"):
             slept = self.process.request("sleep", timeout=r, level=self.cfg.sleep_level)
         timer.memory("sleep")

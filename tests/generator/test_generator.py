@@ -175,6 +175,28 @@ def test_restore_while_awake_restores_before_the_sleep_and_bit_exact(engine, tin
             assert torch.equal(p.detach(), before[n]) and torch.equal(optimizer.state[p]["exp_avg"], moments[n]), n
 
 
+class OutOfMemoryOnce(Offloader):
+    """Fails its first restore the way a GPU without room would, after putting nothing back."""
+
+    def restore(self):
+        if not getattr(self, "failed", False):
+            self.failed = True
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return super().restore()
+
+
+def test_out_of_memory_beside_the_awake_engine_restores_after_its_sleep(engine, tiny_policy, caplog):
+    optimizer = torch.optim.AdamW(tiny_policy.parameters(), lr=1e-3)
+    before = {n: p.detach().clone() for n, p in tiny_policy.named_parameters()}
+    offloader = OutOfMemoryOnce(tiny_policy, optimizer, "all", restore_while_awake=True)
+    with caplog.at_level(logging.WARNING, logger="colo_rl.generator.client"):
+        m = engine.generate(PROMPTS[:1], GREEDY, model=tiny_policy, offloader=offloader).metrics
+    assert offloader.failed and offloader.offloaded == set()
+    assert m["generator/restored_awake"] == 0.0 and "restoring after its sleep instead" in caplog.text
+    for n, p in tiny_policy.named_parameters():
+        assert torch.equal(p.detach(), before[n]), n
+
+
 def test_wrong_authkey_is_refused_and_the_engine_keeps_serving(engine, tiny_policy):
     engine.generate(PROMPTS[:1], GREEDY, model=tiny_policy)
     socket_path = f"{engine.process.socket_dir}/control.sock"
