@@ -55,6 +55,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def json_object(text: str) -> dict:
+    """An argparse type: a JSON object."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON ({exc}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
+
+
 def add_workload_arguments(p: argparse.ArgumentParser, gpu_memory_utilization: float) -> None:
     """What both benchmarks generate, and with which engine settings (generate_ab.py shares them)."""
     p.add_argument("--out", required=True, type=Path, help="JSON file for every raw number")
@@ -68,15 +79,6 @@ def add_workload_arguments(p: argparse.ArgumentParser, gpu_memory_utilization: f
     p.add_argument("--in-process", choices=("auto", "true", "false"), default="auto",
                    help="generator.in_process: where vLLM's engine core runs (auto: colo_rl's default, "
                         "its own process on a GPU as in bare vLLM, inside the worker on CPU)")
-
-    def json_object(text: str) -> dict:
-        try:
-            value = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise argparse.ArgumentTypeError(f"not JSON ({exc}): {text!r}") from None
-        if not isinstance(value, dict):
-            raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
-        return value
 
     p.add_argument("--engine-kwargs", type=json_object, default={}, metavar="JSON",
                    help="more vllm.LLM keyword arguments for colo_rl's engine and bare vLLM alike "

@@ -60,11 +60,9 @@ def parse_variant(text: str) -> tuple[str, dict, dict]:
     if not sep or not name.isidentifier() or name in ("colo_rl", "bare"):
         raise argparse.ArgumentTypeError(f"{text!r}: want NAME=JSON, NAME an identifier other than colo_rl and bare")
     try:
-        overrides = json.loads(spec)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"{name}: {spec!r} is not JSON ({e})") from None
-    if not isinstance(overrides, dict):
-        raise argparse.ArgumentTypeError(f"{name}: want a JSON object, got {spec!r}")
+        overrides = colocation.json_object(spec)
+    except argparse.ArgumentTypeError as exc:
+        raise argparse.ArgumentTypeError(f"{name}: {exc}") from None
     env = overrides.pop("env", {})
     return name, overrides, {str(k): str(v) for k, v in env.items()}
 
