@@ -82,6 +82,30 @@ def test_a_worker_killed_or_hung_in_a_phase_fails_cleanly_and_the_next_step_rest
         generator.close()
 
 
+@pytest.mark.slow
+def test_with_the_engine_core_in_its_own_process_a_killed_worker_leaves_no_engine_core(
+        trainer_state, tiny_model_dir, tmp_path, monkeypatch):
+    """generator.in_process=false (the GPU default): vLLM's engine core is a child of the worker,
+    in its process group, so killing the group on a failure takes it too: no orphan keeps the GPU."""
+    model, optimizer, offloader = trainer_state
+    monkeypatch.setenv(FAULT_ENV, f"generate:SIGKILL:{tmp_path / 'fired'}")
+    generator = VLLMGenerator(GeneratorConfig(in_process=False), model_dir=tiny_model_dir,
+                              dtype="float32", log_dir=tmp_path)
+    try:
+        generator.ensure_started(model)
+        pgid = generator.process.pid
+        assert generator.engine_info["in_process"] is False
+        assert "VLLM::EngineCore" in [p.name() for p in group_members(pgid)]
+        before = snapshot(model, optimizer)
+        with pytest.raises(GeneratorError, match=r"(?s)during generate: .*exited with code -9"):
+            generator.generate(PROMPTS, GREEDY, model=model, offloader=offloader)
+        assert group_members(pgid) == [], "the worker's engine core (or another of its group) survived"
+        assert offloader.offloaded == set()
+        assert_same(before, snapshot(model, optimizer))
+    finally:
+        generator.close()
+
+
 def test_a_worker_killed_during_start_is_an_error_naming_start_with_nothing_left(
         tiny_policy, tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.setenv(FAULT_ENV, "start:SIGKILL")
