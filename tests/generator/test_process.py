@@ -100,9 +100,10 @@ TRAINER_SCRIPT = textwrap.dedent("""
     from colo_rl.generator import VLLMGenerator
     from colo_rl.models import load_policy
     if __name__ == "__main__":
-        model_dir, log_dir = Path(sys.argv[1]), Path(sys.argv[2])
+        model_dir, log_dir, in_process = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3] == "true"
         policy = load_policy(ModelConfig(), model_dir, "cpu")
-        generator = VLLMGenerator(GeneratorConfig(), model_dir=model_dir, dtype="float32", log_dir=log_dir)
+        generator = VLLMGenerator(GeneratorConfig(in_process=in_process), model_dir=model_dir, dtype="float32",
+                                  log_dir=log_dir)
         generator.generate([[5, 6, 7]], SamplingConfig(n=1, max_tokens=2), model=policy)
         print(generator.process.pid, flush=True)
         time.sleep(600)
@@ -110,15 +111,18 @@ TRAINER_SCRIPT = textwrap.dedent("""
 
 
 @pytest.mark.slow
-def test_killing_the_trainer_takes_the_engine_down_within_10_s(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("in_process", ["true", "false"])  # false: vLLM's engine core in a child (GPU default)
+def test_killing_the_trainer_takes_the_engine_down_within_10_s(tiny_model_dir, tmp_path, in_process):
     script = tmp_path / "trainer.py"
     script.write_text(TRAINER_SCRIPT)
-    trainer = subprocess.Popen([sys.executable, str(script), str(tiny_model_dir), str(tmp_path)],
+    trainer = subprocess.Popen([sys.executable, str(script), str(tiny_model_dir), str(tmp_path), in_process],
                                stdout=subprocess.PIPE, text=True, cwd=ROOT,
                                env=dict(os.environ, PYTHONPATH=str(ROOT)))
     try:
         worker_pid = int(trainer.stdout.readline())
         assert psutil.pid_exists(worker_pid)
+        names = [p.name() for p in group_members(worker_pid)]
+        assert ("VLLM::EngineCore" in names) == (in_process == "false"), names
         trainer.kill()
         trainer.wait()
         deadline = time.monotonic() + 10
