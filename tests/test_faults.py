@@ -8,6 +8,7 @@ The matrix of faults, expected and observed behaviour is in tests/README.md.
 
 from __future__ import annotations
 
+import logging
 import os
 
 import pytest
@@ -84,7 +85,7 @@ def test_a_worker_killed_or_hung_in_a_phase_fails_cleanly_and_the_next_step_rest
 
 @pytest.mark.slow
 def test_with_the_engine_core_in_its_own_process_a_killed_worker_leaves_no_engine_core(
-        trainer_state, tiny_model_dir, tmp_path, monkeypatch):
+        trainer_state, tiny_model_dir, tmp_path, monkeypatch, caplog):
     """generator.in_process=false (the GPU default): vLLM's engine core is a child of the worker,
     in its process group, so killing the group on a failure takes it too: no orphan keeps the GPU."""
     model, optimizer, offloader = trainer_state
@@ -92,9 +93,11 @@ def test_with_the_engine_core_in_its_own_process_a_killed_worker_leaves_no_engin
     generator = VLLMGenerator(GeneratorConfig(in_process=False), model_dir=tiny_model_dir,
                               dtype="float32", log_dir=tmp_path)
     try:
-        generator.ensure_started(model)
+        with caplog.at_level(logging.INFO, logger="colo_rl.generator.client"):
+            generator.ensure_started(model)
         pgid = generator.process.pid
         assert generator.engine_info["in_process"] is False
+        assert "on cpu, eager, sleep mode off (not on CPU), engine core in its own process, weight sync file" in caplog.text
         assert "VLLM::EngineCore" in [p.name() for p in group_members(pgid)]
         before = snapshot(model, optimizer)
         with pytest.raises(GeneratorError, match=r"(?s)during generate: .*exited with code -9"):

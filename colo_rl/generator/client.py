@@ -306,6 +306,12 @@ class VLLMGenerator:
                 phase="plan", log_path=self.log_path)
         self.engine_info = {**info, **plan, "in_process": self.in_process}
         self.weight_sync = self._choose_weight_sync(info)
+        log.info("engine up in %.0f s: vLLM %s on %s, %s, sleep mode %s, engine core %s, weight sync %s, "
+                 "%d Hugging Face tensors into %d engine parameters (log: %s)", info["seconds"],
+                 info["vllm_version"], info["platform"], "eager" if info["enforce_eager"] else "CUDA graphs",
+                 "on" if info["sleep_supported"] else "off (not on CPU)",
+                 "inside the worker" if self.in_process else "in its own process", self.weight_sync,
+                 plan["hf_tensors"], plan["engine_params"], self.log_path)
         return self.engine_info
 
     def _choose_weight_sync(self, info: dict) -> str:
