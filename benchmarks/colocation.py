@@ -136,8 +136,8 @@ def generator_config(args, **overrides):
     return GeneratorConfig(gpu_memory_utilization=args.gpu_memory_utilization,
                            max_model_len=args.prompt_len + args.max_tokens,
                            max_num_seqs=max(256, args.prompts * args.n),
-                           in_process={"auto": None, "true": True, "false": False}[args.in_process], engine_kwargs=args.engine_kwargs,
-                           **overrides)
+                           in_process={"auto": None, "true": True, "false": False}[args.in_process],
+                           engine_kwargs=args.engine_kwargs, **overrides)
 
 
 def bare_engine_kwargs(args, model_dir: Path, dtype: str, enforce_eager: bool) -> dict:
@@ -420,7 +420,6 @@ def overlap_section(args, generator, trainer, offloader, prompts, sampling) -> d
             record["restore_and_train_s"] = record["timing/restore_s"] + record["train_s"]
             record["step_s"] = record["timing/generator_total_s"] + record["train_s"]
             records[mode].append(record)
-            record["restored_awake"] = record.get("generator/restored_awake", 0.0)
             log(f"overlap {mode}: restore {record['timing/restore_s']:.3f} s, train {record['train_s']:.3f} s, "
                 f"background copy {record.get('offloader/restore_background_s', 0.0):.3f} s, "
                 f"switch overhead {record['switch_overhead_s']:.3f} s")
@@ -494,13 +493,13 @@ def overlap_rows(results: dict) -> list[tuple[str, ...]]:
     arms = [section[mode]["median"] for mode in OVERLAP_MODES if mode in section]
     keys = [("restore (waited for)", "timing/restore_s"),
             ("  copied in the background", "offloader/restore_background_s"),
-            ("  before the engine's sleep (share of steps)", "restored_awake"),
+            ("  before the engine's sleep (share of steps)", "generator/restored_awake"),
             ("sleep", "timing/sleep_s"),
             (f"train step ({section['train_sequences']} sequences)", "train_s"),
             ("restore + train", "restore_and_train_s"),
             ("switch overhead (total - generate)", "switch_overhead_s"),
             ("generator total + train", "step_s")]
-    return [(label, *((f"{m[key]:.2f}" if key == "restored_awake" else f"{m[key]:.3f} s") if key in m else "-"
+    return [(label, *((f"{m[key]:.2f}" if key == "generator/restored_awake" else f"{m[key]:.3f} s") if key in m else "-"
                       for m in arms)) for label, key in keys]
 
 
