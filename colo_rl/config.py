@@ -168,9 +168,9 @@ class TrainerConfig:
     offload: str = "all"  # all | optimizer | none: what leaves the GPU while the engine is awake
     overlap_restore: bool = True  # CUDA: AdamW state comes back on a side stream, under the next step's work
     # Restore before the engine sleeps when the GPU has room for both (checked every step): the
-    # copies then run before the engine frees its memory, not in the contended second after.
-    # Not yet measured on a GPU: off by default.
-    restore_while_awake: bool = False
+    # copies then run before the engine frees its memory, not in the contended second after
+    # (H200, 1B shape: the restore waited for 0.086 s instead of 0.143 s, switch 0.551 s not 0.664 s).
+    restore_while_awake: bool = True
     seed: int = 0
     checkpoint_every: int = 0  # steps; 0: only at the end and on interruption
     resume: Optional[str] = None  # a checkpoint directory written by an earlier run

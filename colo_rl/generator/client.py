@@ -445,7 +445,7 @@ class VLLMGenerator:
                 restore_awake = False
         with timer.phase("sleep"):
             slept = self.process.request("sleep", timeout=r, level=self.cfg.sleep_level)
-        timer.memory("sleep")
+        timer.memory("sleep")  # restored awake: this reading includes the trainer's state, back already
         if not restore_awake:
             with timer.phase("restore"):
                 offloader.restore()

@@ -175,8 +175,12 @@ def test_on_cuda_buffers_are_pinned_memory_is_freed_and_cpu_step_stays(model_dir
     trainer = stepped_trainer(model_dir, "cuda")
     before = snapshot(trainer)
     offloader = Offloader(trainer.model, trainer.optimizer, "all")
+    allocated = torch.cuda.memory_allocated()
     result = offloader.offload()
-    assert result["freed_gib"] > 0
+    # torch lets go of every byte moved. (Whether the driver gets them back, `freed_gib`, depends
+    # on which 2 MiB segments this tiny model's tensors share with others': on the H200 it read
+    # 0.0 after another test's trainer. The 512 MiB model of the next test checks it.)
+    assert allocated - torch.cuda.memory_allocated() >= result["bytes"] > 0
     for key, tensor in state_tensors(trainer).items():
         if key.endswith(":step"):  # AdamW keeps `step` on the CPU: left where it is
             assert tensor.data_ptr() == before[key][0] and key not in offloader._host
@@ -209,7 +213,9 @@ def test_the_background_restore_overlaps_and_the_next_step_waits_for_it():
     model, optimizer = adamw_after_one_step(0)
     kept_model, kept_optimizer = adamw_after_one_step(0)
     offloader = Offloader(model, optimizer, "all")
-    offloaded = offloader.offload()["bytes"]
+    first = offloader.offload()
+    offloaded = first["bytes"]
+    assert first["freed_gib"] * 2**30 > 0.5 * offloaded  # the driver, and so the engine, gets it
     moments = sum(v.nbytes for s in optimizer.state.values() for k, v in s.items() if k != "step")
     # Stale memory for the restore to land in: one block of NaNs, freed into torch's cache.
     torch.full((int(offloaded) // 4 + 2**20,), float("nan"), device="cuda")
