@@ -52,6 +52,13 @@ def test_memory_fraction_sweep_declares_its_grid():
     assert with_hydra.model.name == "olmo2_1b_shape"
 
 
+def test_engine_kwargs_as_the_readme_adds_them_reach_the_generator_config():
+    cfg = compose_config("+generator.engine_kwargs.compilation_config={cudagraph_mode: FULL_DECODE_ONLY}",
+                         "+generator.engine_kwargs.max_num_batched_tokens=8192")
+    assert validate(cfg).generator.engine_kwargs == {
+        "compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY"}, "max_num_batched_tokens": 8192}
+
+
 def test_typo_in_a_key_fails_at_compose_naming_it():
     with pytest.raises(ConfigCompositionException, match="generator.gpu_memory_utilizaton"):
         compose_config("generator.gpu_memory_utilizaton=0.3")
