@@ -73,7 +73,8 @@ def memory_section() -> ws.Section:
         _line("free GPU memory after each event (GiB)", MEMORY_KEYS, title_y="GiB"),
         _line("engine awake: free GPU memory with the KV cache allocated",
               ["memory/free_after_wake_kv_gib"], title_y="GiB"),
-        _line("engine asleep: free GPU memory before and after the trainer is restored",
+        _line("engine asleep: free GPU memory after its sleep and after the restore "
+              "(both with the trainer back when it restored while the engine was awake)",
               ["memory/free_after_sleep_gib", "memory/free_after_restore_gib"], title_y="GiB"),
         _line("trainer peak allocated GPU memory", ["memory/trainer_peak_gib"], title_y="GiB"),
     ])
