@@ -26,7 +26,7 @@ import psutil
 import torch
 
 import colo_rl
-from colo_rl.config import GeneratorConfig, SamplingConfig, engine_python
+from colo_rl.config import GeneratorConfig, SamplingConfig, engine_python, resolve_device
 from colo_rl.generator.staging import tensor_checksum, write_staged_file
 from colo_rl.timing import StepTimer
 
@@ -241,7 +241,7 @@ class VLLMGenerator:
         (faster generation), the engine core inside the worker on CPU (faster start)."""
         if self.cfg.in_process is not None:
             return self.cfg.in_process
-        return self.cfg.device == "cpu" or (self.cfg.device == "auto" and not torch.cuda.is_available())
+        return resolve_device(self.cfg.device) == "cpu"
 
     # -- lifecycle -------------------------------------------------------------------------
 
