@@ -12,9 +12,9 @@ after the one that starts it, and records free memory before the start, after ea
 `empty_cache`, which colo_rl does not do by itself) and after the engine is closed, the engine
 start time (graph capture included) and tokens/s.
 The first variant's reading also holds what the trainer process took at its first push and kept
-(0.09 GiB on the H200; not torch's cache, which every reading empties): `engine_process_gib`, NVML's total for the engine process, is the engine's
-own share. On a machine without a GPU (`--model tiny --variants '{"eager": {}}'`) it only checks that the
-script runs: memory is NaN there.
+(0.09 GiB on the H200; not torch's cache, which every reading empties): `engine_process_gib`,
+NVML's total for the engine process, is the engine's own share. On a machine without a GPU
+(`--model tiny --variants '{"eager": {}}'`) it only checks that the script runs: memory is NaN there.
 """
 
 from __future__ import annotations
@@ -82,8 +82,8 @@ def measure(args, name: str, engine_kwargs: dict, policy, model_dir: Path, promp
             log(f"{name} step {step}: {record['tokens_per_s']:.0f} tokens/s, "
                 f"{result['free_before_engine_start_gib'] - record['free_asleep_gib']:.2f} GiB held asleep")
         try:  # last, so that a failure here costs none of the steps' readings
-            result["empty_cache"] = {"engine_memory": generator.process.request("memory", timeout=60, empty_cache=True),
-                                     "free_asleep_gib": free_gib()}
+            report = generator.process.request("memory", timeout=60, empty_cache=True)
+            result["empty_cache"] = {"engine_memory": report, "free_asleep_gib": free_gib()}
         except Exception as exc:
             result["empty_cache"] = {"error": repr(exc)}
         save(args.out, results)
