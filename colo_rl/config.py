@@ -163,6 +163,10 @@ class TrainerConfig:
     loss_agg: str = "token"  # token | sequence | constant (Dr. GRPO: sum / (seqs x max_tokens))
     updates_per_batch: int = 1  # >1 reuses a batch with the PPO-clipped ratio
     clip_eps: float = 0.2
+    # -- GRPO numerics (issue 19): advantage std, clip-higher, TIS, lr schedule, non-finite skips --
+    # unbiased (Bessel) like TRL's GRPOTrainer and verl's GRPO advantage, so that runs compare
+    # with theirs; population divides by n: advantages sqrt(n/(n-1)) times larger (1.07x at n=8)
+    advantage_std: str = "unbiased"  # unbiased | population (only with advantage_norm=std)
     kl_coef: float = 0.0  # >0 keeps a frozen reference policy and adds a k3 KL penalty
     bf16_autocast: bool = False  # GPU only
     offload: str = "all"  # all | optimizer | none: what leaves the GPU while the engine is awake
@@ -196,6 +200,7 @@ class TrainerConfig:
         _check(self.lr > 0, "trainer.lr", self.lr, "must be > 0")
         _check(self.max_grad_norm > 0, "trainer.max_grad_norm", self.max_grad_norm, "must be > 0")
         _check(0 < self.clip_eps < 1, "trainer.clip_eps", self.clip_eps, "must be in (0, 1)")
+        _one_of("trainer.advantage_std", self.advantage_std, ("unbiased", "population"))
         _check(self.kl_coef >= 0, "trainer.kl_coef", self.kl_coef, "must be >= 0")
         _check(self.checkpoint_every >= 0, "trainer.checkpoint_every", self.checkpoint_every, "must be >= 0")
         _check(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "trainer.betas",

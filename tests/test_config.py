@@ -70,6 +70,14 @@ def test_wrong_type_fails_at_compose_naming_the_key():
 
 
 @pytest.mark.parametrize("override,key", [
+    ("trainer.advantage_std=sample", "trainer.advantage_std='sample' must be one of unbiased, population"),
+])
+def test_grpo_numerics_keys_out_of_range_fail_in_validate_naming_the_key(override, key):
+    with pytest.raises(ConfigError, match=key.replace("(", r"\(")):
+        validate(compose_config(override))
+
+
+@pytest.mark.parametrize("override,key", [
     ("generator.gpu_memory_utilization=1.3", "generator.gpu_memory_utilization=1.3 must be in"),
     ("generator.weight_sync=nccl", "generator.weight_sync"),
     ("trainer.lr=-1", "trainer.lr"),

@@ -20,23 +20,32 @@ from colo_rl.parallel import Parallel
 LOSS_AGGS = ("token", "sequence", "constant")
 
 
-def group_advantages(rewards: torch.Tensor, group_size: int, norm: str, eps: float = 1e-6) -> torch.Tensor:
+def group_advantages(rewards: torch.Tensor, group_size: int, norm: str, eps: float = 1e-6,
+                     std: str = "unbiased") -> torch.Tensor:
     """Each completion's reward relative to its prompt's group: the GRPO advantage.
 
     rewards: (num_prompts * group_size,), each prompt's group consecutive. norm 'mean' gives
-    r - group mean (Dr. GRPO); 'std' gives (r - mean) / (std + eps) (GRPO) with the population
-    std (unbiased=False), so a group of identical rewards gets advantage 0, never NaN.
+    r - group mean (Dr. GRPO); 'std' gives (r - mean) / (std + eps) (GRPO), with the group's
+    `std` 'unbiased' (Bessel-corrected, as TRL's GRPOTrainer and verl's
+    compute_grpo_outcome_advantage) or 'population'. The statistics are taken in float64 and a
+    group whose rewards are all equal gets exactly 0: in float32 the mean of ten rewards of 0.1
+    differs from 0.1, and dividing that residue by (std + eps) would turn it into a real signal.
     """
     if rewards.dim() != 1 or group_size < 1 or rewards.numel() % group_size:
         raise ValueError(f"rewards of shape {tuple(rewards.shape)} cannot be split into groups of "
                          f"group_size={group_size}: pass a 1-D tensor of num_prompts * group_size rewards")
-    groups = rewards.reshape(-1, group_size)
-    centred = groups - groups.mean(dim=1, keepdim=True)
-    if norm == "mean":
-        return centred.reshape(-1)
-    if norm == "std":
-        return (centred / (groups.std(dim=1, unbiased=False, keepdim=True) + eps)).reshape(-1)
-    raise ValueError(f"advantage norm={norm!r} must be 'mean' or 'std' (trainer.advantage_norm)")
+    if norm not in ("mean", "std"):
+        raise ValueError(f"advantage norm={norm!r} must be 'mean' or 'std' (trainer.advantage_norm)")
+    if std not in ("unbiased", "population"):
+        raise ValueError(f"advantage std={std!r} must be 'unbiased' or 'population' (trainer.advantage_std)")
+    groups = rewards.to(torch.float64).reshape(-1, group_size)
+    constant = groups.amax(dim=1, keepdim=True) == groups.amin(dim=1, keepdim=True)
+    advantages = groups - groups.mean(dim=1, keepdim=True)
+    if norm == "std" and group_size > 1:  # a group of one is constant: its advantage is 0 below
+        spread = groups.std(dim=1, unbiased=std == "unbiased", keepdim=True)
+        advantages = advantages / (spread + eps)
+    dtype = rewards.dtype if rewards.is_floating_point() else torch.get_default_dtype()
+    return torch.where(constant, 0.0, advantages).to(dtype).reshape(-1)
 
 
 def loss_normalizer(lengths: torch.Tensor, loss_agg: str, max_tokens: int) -> float:
@@ -57,17 +66,24 @@ def loss_normalizer(lengths: torch.Tensor, loss_agg: str, max_tokens: int) -> fl
 
 def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
               mask: torch.Tensor, *, clip_eps: float, loss_agg: str, max_tokens: int,
-              ref_logprobs: Optional[torch.Tensor] = None, kl_coef: float = 0.0,
+              clip_eps_high: Optional[float] = None, ref_logprobs: Optional[torch.Tensor] = None,
+              kl_coef: float = 0.0, tis_weights: Optional[torch.Tensor] = None,
               normalizer: Optional[float] = None) -> tuple[torch.Tensor, dict]:
     """The token-level clipped policy-gradient loss, with an optional k3 KL penalty to a reference.
 
-    logprobs, old_logprobs, ref_logprobs, mask: (B, T) over response tokens, mask 1 for real
-    tokens; advantages: (B,). The PPO ratio is exp(logprobs - old_logprobs); the KL per token is
-    exp(ref - logp) - (ref - logp) - 1. loss_agg: 'token' (sum over masked tokens / their number),
-    'sequence' (each sequence's token mean, then the mean over non-empty sequences) or 'constant'
-    (sum / (B * max_tokens), Dr. GRPO). `normalizer` overrides the denominator: the trainer passes
-    the full batch's so that micro-batch losses add up to the full-batch loss.
-    Returns (loss, stats) with stats clip_frac and kl (means over masked tokens) and tokens.
+    logprobs, old_logprobs, ref_logprobs, tis_weights, mask: (B, T) over response tokens, mask 1
+    for real tokens; advantages: (B,). The PPO ratio r = exp(logprobs - old_logprobs) is clipped
+    to [1 - clip_eps, 1 + clip_eps_high] (DAPO's clip-higher; clip_eps_high None: clip_eps), as
+    TRL's epsilon_low/epsilon_high. tis_weights (detached, e.g. truncated importance weights of
+    the engine/trainer mismatch) multiply the policy-gradient term per token, before the KL per
+    token exp(ref - logp) - (ref - logp) - 1 is added. loss_agg: 'token' (sum over masked tokens
+    / their number), 'sequence' (each sequence's token mean, then the mean over non-empty
+    sequences) or 'constant' (sum / (B * max_tokens), Dr. GRPO). `normalizer` overrides the
+    denominator: the trainer passes the full batch's so that micro-batch losses add up to the
+    full-batch loss. Padded positions never reach an exp, so any value there (an overflowing
+    log-prob gap included) leaves the loss and its gradient unchanged.
+    Returns (loss, stats) with stats clip_frac (tokens where either clip bound is active) and
+    kl (means over masked tokens) and tokens.
     """
     if not logprobs.shape == old_logprobs.shape == mask.shape or advantages.shape != logprobs.shape[:1]:
         raise ValueError(f"grpo_loss needs logprobs, old_logprobs, mask of one (B, T) shape and advantages "
@@ -75,15 +91,20 @@ def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: to
                          f"{tuple(mask.shape)}, {tuple(advantages.shape)}")
     if kl_coef > 0 and ref_logprobs is None:
         raise ValueError(f"kl_coef={kl_coef} needs ref_logprobs: pass the reference policy's log-probs")
+    real = mask.bool()
     mask = mask.to(logprobs.dtype)
-    ratio = torch.exp(logprobs - old_logprobs)
+    # exp of a padded position's gap can be inf, and inf * 0 is NaN: zero the gap first.
+    ratio = torch.exp(torch.where(real, logprobs - old_logprobs, 0.0))
     adv = advantages.to(logprobs.dtype).unsqueeze(1)
+    high = clip_eps if clip_eps_high is None else clip_eps_high
     unclipped = -adv * ratio
-    clipped = -adv * ratio.clamp(1 - clip_eps, 1 + clip_eps)
+    clipped = -adv * ratio.clamp(1 - clip_eps, 1 + high)
     per_token = torch.maximum(unclipped, clipped)
+    if tis_weights is not None:
+        per_token = per_token * torch.where(real, tis_weights.detach(), 0.0)
     kl = torch.zeros_like(per_token)
     if ref_logprobs is not None:
-        delta = ref_logprobs - logprobs
+        delta = torch.where(real, ref_logprobs - logprobs, 0.0)
         kl = torch.exp(delta) - delta - 1
         if kl_coef > 0:
             per_token = per_token + kl_coef * kl
@@ -97,6 +118,8 @@ def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: to
     with torch.no_grad():
         tokens = float(lengths.sum())
         denominator = max(tokens, 1.0)
+        # the clipped term is the larger one exactly where a bound stops the gradient: below
+        # 1 - clip_eps with a negative advantage, above 1 + clip_eps_high with a positive one
         stats = {"clip_frac": float(((clipped > unclipped) * mask).sum()) / denominator,
                  "kl": float((kl * mask).sum()) / denominator, "tokens": tokens}
     return loss, stats
@@ -188,8 +211,8 @@ class GRPOTrainer:
         accumulating micro-batches of cfg.micro_batch_size sequences into the full-batch gradient.
         """
         _check_batch(prompt_ids, completion_ids, rewards, group_size, engine_logprobs)
-        advantages = group_advantages(torch.tensor(rewards, dtype=torch.float32), group_size,
-                                      self.cfg.advantage_norm)
+        advantages = group_advantages(torch.tensor(rewards, dtype=torch.float64), group_size,
+                                      self.cfg.advantage_norm, std=self.cfg.advantage_std)
         micro = self._micro_batches([p for p in prompt_ids for _ in range(group_size)],
                                     completion_ids, advantages, engine_logprobs)
         lengths = torch.tensor([len(c) for c in completion_ids])

@@ -7,7 +7,7 @@ import torch
 
 from colo_rl.config import ModelConfig, TrainerConfig
 from colo_rl.models import load_policy, write_embedded_model
-from colo_rl.trainer import GRPOTrainer, group_advantages, grpo_loss
+from colo_rl.trainer import GRPOTrainer, group_advantages, grpo_loss, loss_normalizer
 
 PROMPTS = [[5, 6, 7], [8, 9]]
 GROUP = 3
@@ -32,22 +32,56 @@ def params(trainer) -> dict[str, torch.Tensor]:
     return {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
 
 
-def test_group_advantages_mean_and_std_match_hand_computed_values():
+def test_group_advantages_mean_and_population_std_match_hand_computed_values():
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 5.0])
     # Group means 0.5 and 2.75; population stds 0.5 and sqrt(1.6875) = 0.75 * sqrt(3).
     mean = group_advantages(rewards, 4, "mean")
     torch.testing.assert_close(mean, torch.tensor([0.5, -0.5, -0.5, 0.5, -0.75, -0.75, -0.75, 2.25]))
-    std = group_advantages(rewards, 4, "std", eps=0.0)
+    std = group_advantages(rewards, 4, "std", eps=0.0, std="population")
     s3 = math.sqrt(3)
     torch.testing.assert_close(std, torch.tensor([1.0, -1.0, -1.0, 1.0, -1 / s3, -1 / s3, -1 / s3, s3]))
 
 
+@pytest.mark.parametrize("eps, expected", [
+    # verl 0.9.1 compute_grpo_outcome_advantage: (r - mean) / (torch.std(group) + 1e-6), torch.std
+    # unbiased; unbiased stds sqrt(1/3) and 1.5.
+    (1e-6, [0.8660239037870368, -0.8660239037870368, -0.8660239037870368, 0.8660239037870368,
+            -0.49999966666688894, -0.49999966666688894, -0.49999966666688894, 1.4999990000006667]),
+    # TRL 1.16 GRPOTrainer, scale_rewards="group": (r - mean) / (rewards.view(-1, G).std(dim=1) + 1e-4)
+    (1e-4, [0.8658754297607016, -0.8658754297607016, -0.8658754297607016, 0.8658754297607016,
+            -0.49996666888874075, -0.49996666888874075, -0.49996666888874075, 1.4999000066662223]),
+])
+def test_group_advantages_with_the_unbiased_std_match_trl_and_verl(eps, expected):
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 5.0], dtype=torch.float64)
+    advantages = group_advantages(rewards, 4, "std", eps=eps)  # unbiased is the default
+    torch.testing.assert_close(advantages, torch.tensor(expected, dtype=torch.float64), rtol=1e-12, atol=0)
+    # float32 rewards give the same numbers to float32 precision
+    torch.testing.assert_close(group_advantages(rewards.float(), 4, "std", eps=eps),
+                               torch.tensor(expected, dtype=torch.float32))
+
+
+@pytest.mark.parametrize("norm", ["mean", "std"])
+@pytest.mark.parametrize("std", ["unbiased", "population"])
+def test_a_group_of_equal_rewards_gets_exactly_zero_advantages(norm, std):
+    """All 0.1 in float32: the float32 mean of 7 or more of them is not 0.1, and (r - mean) /
+    (std + eps) turned that residue into advantages of 0.0074 before. Beside them a group with a
+    spread, which keeps its ordinary advantages."""
+    for value, size in ((0.1, 7), (0.1, 10), (0.7, 16), (1e-3, 9)):
+        rewards = torch.cat([torch.full((size,), value), torch.linspace(0, 1, size)]).float()
+        advantages = group_advantages(rewards, size, norm, std=std)
+        assert torch.equal(advantages[:size], torch.zeros(size)), (value, size, advantages[:size])
+        assert advantages[size:].abs().max() > 0.1
+
+
 def test_group_advantages_of_identical_rewards_are_zero_and_bad_shapes_are_refused():
     assert torch.equal(group_advantages(torch.ones(4), 2, "std"), torch.zeros(4))
+    assert torch.equal(group_advantages(torch.ones(4), 1, "std"), torch.zeros(4))  # no NaN at n=1
     with pytest.raises(ValueError, match="group_size=3"):
         group_advantages(torch.ones(4), 3, "mean")
     with pytest.raises(ValueError, match="trainer.advantage_norm"):
         group_advantages(torch.ones(4), 2, "median")
+    with pytest.raises(ValueError, match="trainer.advantage_std"):
+        group_advantages(torch.ones(4), 2, "std", std="sample")
 
 
 def _loss_batch():
@@ -92,6 +126,35 @@ def test_grpo_loss_adds_the_k3_kl_penalty():
                             max_tokens=4, ref_logprobs=logprobs.detach() + delta, kl_coef=0.1)
     assert loss.item() == pytest.approx((0.7 + 0.1 * sum(kl)) / 5, rel=1e-6)
     assert stats["kl"] == pytest.approx(sum(kl) / 5, rel=1e-6)
+
+
+@pytest.mark.parametrize("loss_agg", ["token", "sequence", "constant"])
+def test_extreme_values_at_padded_positions_give_the_loss_of_the_unpadded_rows(loss_agg):
+    """exp(ref - logp) of ref=+1e4 overflows to inf, and an old log-prob of -1e4 makes the ratio
+    inf; inf * mask 0 was NaN. Masked before the exp, the padded batch's loss and gradient are
+    those of its rows without padding, each under the full batch's normalizer."""
+    logprobs, old, advantages, mask = _loss_batch()
+    ref = logprobs.detach() + torch.tensor([[0.5, 0.0, -0.5], [1.0, 0.2, 0.0]])
+    padded = mask == 0
+    kwargs = dict(clip_eps=0.2, loss_agg=loss_agg, max_tokens=4, kl_coef=0.1)
+    loss, stats = grpo_loss(logprobs, old.masked_fill(padded, -1e4), advantages, mask,
+                            ref_logprobs=ref.masked_fill(padded, 1e4), **kwargs)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(logprobs.grad).all()
+
+    normalizer = loss_normalizer(mask.sum(dim=1), loss_agg, 4)
+    rows = torch.zeros(()), []
+    for i, n in enumerate((3, 2)):
+        row = logprobs.detach()[i:i + 1, :n].clone().requires_grad_(True)
+        row_loss, _ = grpo_loss(row, old[i:i + 1, :n], advantages[i:i + 1], mask[i:i + 1, :n],
+                                ref_logprobs=ref[i:i + 1, :n], normalizer=normalizer, **kwargs)
+        row_loss.backward()
+        rows = rows[0] + row_loss.detach(), rows[1] + [row.grad[0]]
+    assert loss.item() == pytest.approx(rows[0].item(), rel=1e-6)
+    torch.testing.assert_close(logprobs.grad[0], rows[1][0])
+    torch.testing.assert_close(logprobs.grad[1, :2], rows[1][1])
+    assert logprobs.grad[1, 2] == 0
+    assert math.isfinite(stats["kl"]) and stats["tokens"] == 5.0
 
 
 @pytest.mark.parametrize("loss_agg", ["token", "sequence", "constant"])
