@@ -65,7 +65,9 @@ class ModelConfig:
     source: str = "embedded"
     path: Optional[str] = None
     tokenizer: Optional[str] = None  # default: same as path
-    dtype: str = "float32"  # float32 | bfloat16 | float16; trainer and engine use the same
+    # What the engine serves and an export writes by default: float32 | bfloat16 | float16. The
+    # trainer's own precision is trainer.precision (fp32 master weights by default under bf16/fp16).
+    dtype: str = "float32"
     trust_remote_code: bool = False
     prompt_template: str = "{prompt}"
     use_chat_template: bool = False
@@ -146,6 +148,11 @@ class GeneratorConfig:
                    "is not an executable file: give the interpreter of the environment that has vllm")
 
 
+# Each optimizer and the package that provides it (None: torch itself).
+OPTIMIZER_PACKAGES = {"adamw": None, "adamw_8bit": "bitsandbytes", "adamw_bf16_sr": "torchao"}
+OPTIMIZERS = tuple(OPTIMIZER_PACKAGES)
+
+
 @dataclass
 class TrainerConfig:
     """GRPO: algorithm, optimisation and where the trainer state lives between phases."""
@@ -168,7 +175,16 @@ class TrainerConfig:
     # with theirs; population divides by n: advantages sqrt(n/(n-1)) times larger (1.07x at n=8)
     advantage_std: str = "unbiased"  # unbiased | population (only with advantage_norm=std)
     kl_coef: float = 0.0  # >0 keeps a frozen reference policy and adds a k3 KL penalty
-    bf16_autocast: bool = False  # GPU only
+    # auto: `mixed` when model.dtype is bfloat16 or float16, else `pure`. mixed: fp32 master
+    # weights and optimizer state, forward/backward autocast to model.dtype on a GPU (fp32 compute
+    # on a CPU); the engine gets the masters cast to model.dtype at every push. pure: everything in
+    # model.dtype; under bf16 an AdamW step of ~lr rounds away for most weights at lr 1e-6.
+    precision: str = "auto"
+    # adamw: torch AdamW, state in the trainer's dtype. adamw_8bit: bitsandbytes' block-wise 8-bit
+    # AdamW (2 bytes of state per parameter instead of 8). adamw_bf16_sr: torchao's AdamW with bf16
+    # state and stochastic rounding of bf16 parameters (trainer.precision=pure, model.dtype=bfloat16).
+    optimizer: str = "adamw"
+    gradient_checkpointing: bool = False  # recompute activations in backward: less memory, ~1.3x the compute
     offload: str = "all"  # all | optimizer | none: what leaves the GPU while the engine is awake
     overlap_restore: bool = True  # CUDA: AdamW state comes back on a side stream, under the next step's work
     # Restore before the engine sleeps when the GPU has room for both (checked every step): the
@@ -186,6 +202,8 @@ class TrainerConfig:
         _one_of("trainer.advantage_norm", self.advantage_norm, ("mean", "std"))
         _one_of("trainer.loss_agg", self.loss_agg, ("token", "sequence", "constant"))
         _one_of("trainer.offload", self.offload, ("all", "optimizer", "none"))
+        _one_of("trainer.precision", self.precision, ("auto", "mixed", "pure"))
+        _one_of("trainer.optimizer", self.optimizer, OPTIMIZERS)
         _one_of("trainer.parallel", self.parallel, ("none", "ddp", "fsdp"))
         if self.parallel == "fsdp":
             _check(self.offload == "none", "trainer.offload", self.offload,
@@ -301,9 +319,38 @@ def validate(cfg: DictConfig | RunConfig) -> RunConfig:
     if t.device == "cpu" and g.weight_sync == "cuda_ipc":
         raise ConfigError("generator.weight_sync=cuda_ipc shares the trainer's GPU tensors but "
                           "trainer.device=cpu: use generator.weight_sync=file")
-    if t.bf16_autocast and t.device == "cpu":
-        raise ConfigError("trainer.bf16_autocast=true is for GPUs; trainer.device=cpu: set it false")
+    _check_precision(settings)
     return settings
+
+
+def trainer_precision(settings: RunConfig) -> str:
+    """trainer.precision with `auto` resolved: fp32 masters whenever the engine's dtype is 16-bit."""
+    if settings.trainer.precision != "auto":
+        return settings.trainer.precision
+    return "mixed" if settings.model.dtype in ("bfloat16", "float16") else "pure"
+
+
+def trainer_dtype(settings: RunConfig) -> str:
+    """The dtype of the trainer's parameters and optimizer state."""
+    return "float32" if trainer_precision(settings) == "mixed" else settings.model.dtype
+
+
+def _check_precision(settings: RunConfig) -> None:
+    import importlib.util
+
+    t = settings.trainer
+    package = OPTIMIZER_PACKAGES[t.optimizer]
+    if package and importlib.util.find_spec(package) is None:
+        raise ConfigError(f"trainer.optimizer={t.optimizer} needs the package {package}, which is not "
+                          f"installed here: pip install {package}, or use trainer.optimizer=adamw")
+    if t.optimizer == "adamw_bf16_sr" and not (settings.model.dtype == "bfloat16"
+                                               and trainer_precision(settings) == "pure"):
+        raise ConfigError(f"trainer.optimizer=adamw_bf16_sr rounds bf16 parameters stochastically, but "
+                          f"model.dtype={settings.model.dtype} and trainer.precision={t.precision}: set "
+                          "model.dtype=bfloat16 trainer.precision=pure, or use trainer.optimizer=adamw")
+    if t.optimizer == "adamw_8bit" and t.parallel == "fsdp":
+        raise ConfigError("trainer.optimizer=adamw_8bit does not take FSDP's sharded parameters: use "
+                          "trainer.optimizer=adamw with trainer.parallel=fsdp")
 
 
 def resolve_device(requested: str) -> str:

@@ -105,9 +105,11 @@ def load_tokenizer(cfg: ModelConfig, model_dir: Path) -> PreTrainedTokenizerBase
     return tok
 
 
-def load_policy(cfg: ModelConfig, model_dir: Path, device: str) -> torch.nn.Module:
-    """The trainer's policy: random init for the embedded model (seeded), pretrained otherwise."""
-    dtype = DTYPES[cfg.dtype]
+def load_policy(cfg: ModelConfig, model_dir: Path, device: str, dtype: str | None = None) -> torch.nn.Module:
+    """The trainer's policy: random init for the embedded model (seeded), pretrained otherwise.
+    `dtype`: its parameters' dtype (config.trainer_dtype: float32 masters under mixed precision);
+    default model.dtype."""
+    dtype = DTYPES[dtype or cfg.dtype]
     if cfg.source == "embedded":
         from transformers import AutoConfig
 

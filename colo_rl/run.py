@@ -20,10 +20,11 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from colo_rl.config import RunConfig, register_configs, resolve_device, validate
+from colo_rl.config import (RunConfig, register_configs, resolve_device, trainer_dtype, trainer_precision,
+                            validate)
 from colo_rl.generator import GeneratorError, VLLMGenerator
 from colo_rl.metrics import MetricsLogger, print_summary
-from colo_rl.models import load_policy, load_tokenizer, prepare_model_dir
+from colo_rl.models import DTYPES, load_policy, load_tokenizer, prepare_model_dir
 from colo_rl.parallel import Parallel, reduce_step_metrics
 from colo_rl.tasks import make_task
 from colo_rl.timing import StepTimer, host_metrics
@@ -144,10 +145,11 @@ def _train(cfg: DictConfig, settings: RunConfig, generator: VLLMGenerator | None
     task = make_task(settings.task)
     rng = random.Random(settings.task.seed)
     torch.manual_seed(t.seed)
-    policy = load_policy(settings.model, model_dir, device)
+    policy = load_policy(settings.model, model_dir, device, dtype=trainer_dtype(settings))
+    mixed = trainer_precision(settings) == "mixed"
     trainer = GRPOTrainer(policy, t, pad_token_id=tokenizer.pad_token_id,
                           temperature=s.temperature, max_tokens=s.max_tokens, device=device,
-                          parallel=par)
+                          parallel=par, autocast_dtype=DTYPES[settings.model.dtype] if mixed else None)
     offloader = Offloader(policy, trainer.optimizer, t.offload, overlap_restore=t.overlap_restore,
                           restore_while_awake=t.restore_while_awake)
     start_step = 0

@@ -277,7 +277,7 @@ class VLLMGenerator:
         if self.process is not None and self.process.alive():
             return
         start = time.perf_counter()
-        self.start([[name, list(t.shape)] for name, t in self._hf_tensors(model)])
+        self.start(self._hf_specs(model))
         self._unreported_start_s = time.perf_counter() - start
 
     def start(self, hf_specs: list[list]) -> dict:
@@ -377,19 +377,33 @@ class VLLMGenerator:
         result.metrics.update(m)
         return result
 
-    def _hf_tensors(self, model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    @staticmethod
+    def _hf_specs(model: torch.nn.Module) -> list[list]:
+        """[name, shape] of every tensor a push sends (an FSDP DTensor's shape is the full one)."""
+        return [[name, list(p.shape)] for name, p in model.named_parameters()]
+
+    def _engine_tensors(self, model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+        """What the engine gets: the trainer's parameters in the engine's dtype, cast where they
+        differ (fp32 masters under trainer.precision=mixed; a copy the caller holds until the
+        engine has loaded it), the parameters themselves where they do not."""
+        dtype = getattr(torch, self.dtype)
         # named_parameters() yields tied parameters once: an alias is pushed and counted once.
         # FSDP shards are DTensors: full_tensor() all-gathers each (every rank calls this in the
         # same order, so the collectives match).
-        return [(name, p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach())
+        return [(name, (p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach()).to(dtype))
                 for name, p in model.named_parameters()]
+
+    def _cast_gib(self, model: torch.nn.Module) -> float:
+        """GPU memory the engine-dtype copies of a push take (0 when the dtypes agree)."""
+        dtype = getattr(torch, self.dtype)
+        return sum(p.numel() * dtype.itemsize for p in model.parameters() if p.dtype != dtype) / 2**30
 
     def _cycle(self, prompt_ids, sampling, model, offloader, seed, timer: StepTimer) -> Rollouts:
         m = timer.metrics
         timer.memory("trainer_step")
         if self.process is None or not self.process.alive():  # first step, or restart_on_failure
             with timer.phase("server_start"):
-                self.start([[name, list(t.shape)] for name, t in self._hf_tensors(model)])
+                self.start(self._hf_specs(model))
             timer.memory("server_start")
         elif self._unreported_start_s is not None:  # started by ensure_started() during set-up
             m["timing/server_start_s"] = self._unreported_start_s
@@ -410,7 +424,7 @@ class VLLMGenerator:
             timer.memory("offload")
             with timer.phase("stage"):
                 path, fingerprint = write_staged_file(
-                    [(n, t.cpu()) for n, t in self._hf_tensors(model)], self._staging_dir())
+                    [(n, t.cpu()) for n, t in self._engine_tensors(model)], self._staging_dir())
             try:
                 with timer.phase("wake_weights"):
                     self.process.request("wake", timeout=r, tags=["weights"])
@@ -458,13 +472,15 @@ class VLLMGenerator:
         from torch.multiprocessing.reductions import reduce_tensor
 
         entries = []
-        for name, t in self._hf_tensors(model):
+        tensors = self._engine_tensors(model)  # held until the engine has copied them
+        for name, t in tensors:
             rebuild, args = reduce_tensor(t)
             entries.append((name, rebuild, args, tensor_checksum(t)))
         stats = self.process.request("load_ipc", timeout=self.cfg.request_timeout_s,
                                      payload=pickle.dumps(entries))
+        del tensors
         torch.cuda.ipc_collect()  # the engine dropped its mappings; let our allocator free them
-        return stats
+        return {**stats, "cast_gib": self._cast_gib(model)}
 
     def _staging_dir(self) -> str:
         if self.cfg.staging_dir != "auto":

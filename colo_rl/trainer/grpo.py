@@ -186,8 +186,17 @@ class GRPOTrainer:
     """Owns the policy's optimiser (and the frozen reference when KL is on) and runs GRPO steps."""
 
     def __init__(self, model: torch.nn.Module, cfg: TrainerConfig, *, pad_token_id: int,
-                 temperature: float, max_tokens: int, device: str, parallel: Parallel | None = None):
-        self.model = model  # already on `device`; the module whose weights the engine gets
+                 temperature: float, max_tokens: int, device: str, parallel: Parallel | None = None,
+                 autocast_dtype: torch.dtype | None = None):
+        """`model` is already on `device`, in the dtype its parameters and optimizer state keep (fp32
+        masters under trainer.precision=mixed). `autocast_dtype`: what forward and backward compute
+        in on a GPU (the engine's dtype under mixed precision); None, and on a CPU, computes in the
+        parameters' dtype."""
+        self.model = model  # the module whose weights the engine gets
+        if cfg.gradient_checkpointing:
+            # use_reentrant=False: recomputation that also works when the inputs need no grad
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.train()  # Hugging Face checkpoints activations only in training mode
         self.parallel = parallel or Parallel.single()
         self.forward_model = _wrap(model, self.parallel, device)  # what runs forward/backward
         self.cfg = cfg
@@ -195,10 +204,11 @@ class GRPOTrainer:
         self.temperature = temperature
         self.max_tokens = max_tokens
         self.device = torch.device(device)
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas),
-                                           weight_decay=cfg.weight_decay)
+        self.optimizer = make_optimizer(model.parameters(), cfg)
         self.reference = _frozen_copy(model) if cfg.kl_coef > 0 else None
-        self.autocast = cfg.bf16_autocast and self.device.type == "cuda"
+        self.autocast_dtype = autocast_dtype if self.device.type == "cuda" else None
+        if self.autocast_dtype == next(model.parameters()).dtype:
+            self.autocast_dtype = None  # computing in the parameters' own dtype needs no autocast
         self.step_count = 0
 
     def train_step(self, prompt_ids: list[list[int]], completion_ids: list[list[int]],
@@ -286,7 +296,8 @@ class GRPOTrainer:
 
     def _token_logprobs(self, model: torch.nn.Module, mb: _MicroBatch) -> torch.Tensor:
         """(b, T) log-probs of the response tokens, at the sampling temperature."""
-        with torch.autocast(device_type=self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+        with torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype or torch.bfloat16,
+                            enabled=self.autocast_dtype is not None):
             logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
         # The logits at position t predict token t + 1.
         index = (mb.positions - 1).clamp(min=0).unsqueeze(-1).expand(-1, -1, logits.size(-1))
@@ -328,6 +339,24 @@ class GRPOTrainer:
         if self.reference is not None:
             self.reference.load_state_dict(state["reference"])
         self.step_count = int(state["step_count"])
+
+
+def make_optimizer(params, cfg: TrainerConfig) -> torch.optim.Optimizer:
+    """trainer.optimizer over `params`. Its state takes the parameters' dtype (fp32 under mixed
+    precision), except adamw_8bit's block-wise 8-bit moments (bitsandbytes keeps tensors under
+    4096 elements, norms and biases, in 32 bits)."""
+    kwargs = dict(lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW(params, **kwargs)
+    if cfg.optimizer == "adamw_8bit":
+        import bitsandbytes
+
+        return bitsandbytes.optim.AdamW8bit(params, **kwargs)
+    if cfg.optimizer == "adamw_bf16_sr":
+        from torchao.optim import _AdamW
+
+        return _AdamW(params, bf16_stochastic_round=True, **kwargs)
+    raise ValueError(f"optimizer={cfg.optimizer!r} unknown (trainer.optimizer)")
 
 
 def _wrap(model: torch.nn.Module, parallel: Parallel, device: str) -> torch.nn.Module:

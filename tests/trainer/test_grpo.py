@@ -270,16 +270,3 @@ def test_rewarding_one_token_raises_its_probability(model_dir):
         rewards = [c.count(TARGET) / 3 for c in completions]
         trainer.train_step(prompts, completions, rewards, 8)
     assert _target_prob(trainer.model, prompts) > 3 * before
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_train_step_on_cuda_with_bf16_autocast(model_dir):
-    model = load_policy(ModelConfig(), model_dir, "cuda")
-    trainer = GRPOTrainer(model, TrainerConfig(bf16_autocast=True, micro_batch_size=4), pad_token_id=0,
-                          temperature=1.0, max_tokens=8, device="cuda")
-    assert trainer.autocast
-    before = params(trainer)
-    metrics = trainer.train_step(PROMPTS, COMPLETIONS, REWARDS, GROUP)
-    assert all(math.isfinite(v) for v in metrics.values())
-    assert any(not torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())
