@@ -1,0 +1,142 @@
+"""A real `python -m colo_rl.run` on the workload TRL 1.16's GRPOTrainer was measured on (issue #10).
+
+    python benchmarks/peer_workload.py --out $OUT/peer_workload.json            # H200: ~4 min an arm
+    python benchmarks/peer_workload.py --arm 'mixed=' --arm 'offload_none=trainer.offload=none'
+
+The workload: the OLMo-2-1B shape (random weights), 32 prompts x 8 completions x 256 tokens with
+EOS ignored, prompts of 128 tokens, micro-batch 16, lr 1e-6, the engine at 0.5 of the GPU with
+CUDA graphs, 6 steps. Each arm is one run in its own process (its own engine), with the arm's
+Hydra overrides on top. Per arm it reports the medians of steps 2..6 (the first step pays for
+the pinned buffers), the peak GPU memory of the whole device (nvidia-smi every 100 ms, engine and
+trainer together, as TRL's figure was taken), and the fraction of the policy's weights that the
+run changed: the final checkpoint against the seeded initial weights. Every number is in --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from statistics import median
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # run from a checkout without installing colo_rl
+
+WORKLOAD = ["trainer.steps=6", "trainer.prompts_per_step=32", "sampling.n=8",
+            "sampling.max_tokens=256", "sampling.ignore_eos=true", "task.prompt_len=127",
+            "trainer.micro_batch_size=16", "trainer.lr=1e-6", "generator.gpu_memory_utilization=0.5",
+            "generator.max_model_len=512", "logger=none", "logger.progress=false"]
+KEYS = ["timing/step_s", "timing/generate_s", "timing/train_s", "timing/generator_total_s", "timing/offload_s",
+        "timing/weight_load_s", "timing/wake_s", "timing/sleep_s", "timing/restore_s", "timing/score_s",
+        "rollout/tokens_per_s", "memory/trainer_peak_gib", "sync/cast_gib", "train/loss", "train/grad_norm"]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, required=True, help="JSON file; each run's directory goes beside it")
+    p.add_argument("--arm", action="append", default=[],
+                   help="NAME=OVERRIDES (space-separated Hydra overrides on top of the workload); "
+                        "default: one arm 'mixed' with colo_rl's defaults")
+    p.add_argument("--model", default="olmo2_1b_shape", help="model preset (tiny: a CPU smoke run)")
+    p.add_argument("--timeout-s", type=float, default=560, help="per arm")
+    p.add_argument("--no-weights", action="store_true", help="skip the changed-weights fraction")
+    return p.parse_args(argv)
+
+
+def run_arm(name: str, workload: list[str], overrides: list[str], run_dir: Path, timeout_s: float) -> dict:
+    """One run in its own process, with nvidia-smi sampling the device's memory meanwhile."""
+    smi_log = run_dir.with_suffix(".smi.csv")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with open(smi_log, "w") as smi_out:
+        smi = subprocess.Popen(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits",
+                                "-lms", "100"], stdout=smi_out, stderr=subprocess.DEVNULL) if has_smi() else None
+    start = time.perf_counter()
+    cmd = [sys.executable, "-m", "colo_rl.run", *workload, *overrides, f"output_dir={run_dir}"]
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, timeout=timeout_s, capture_output=True, text=True)
+        code, tail = proc.returncode, (proc.stdout + proc.stderr)[-3000:]
+    except subprocess.TimeoutExpired as exc:
+        code, tail = "timeout", str(exc.output)[-3000:] if exc.output else ""
+    wall_s = time.perf_counter() - start
+    if smi is not None:
+        smi.terminate()
+        smi.wait()
+    used = [int(line) for line in smi_log.read_text().split() if line.strip().isdigit()]
+    metrics = run_dir / "metrics.jsonl"
+    records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+    steady = records[1:] or records
+    med = {k: median(r[k] for r in steady if k in r) for k in KEYS if any(k in r for r in steady)}
+    if "timing/generator_total_s" in med:
+        med["switch_s"] = median(r["timing/generator_total_s"] - r["timing/generate_s"] for r in steady)
+    return {"name": name, "overrides": overrides, "exit_code": code, "wall_s": wall_s,
+            "engine_start_s": records[0].get("timing/server_start_s") if records else None,
+            "peak_gpu_used_gib": max(used) / 1024 if used else None, "median_steps_2_on": med,
+            "steps": records, "output_tail": tail if code != 0 else ""}
+
+
+def has_smi() -> bool:
+    from shutil import which
+
+    return which("nvidia-smi") is not None
+
+
+def changed_fraction(run_dir: Path, workload: list[str], overrides: list[str]) -> dict:
+    """The final checkpoint's policy against the seeded initial weights of the same model."""
+    import torch
+
+    from hydra import compose, initialize_config_dir
+
+    from colo_rl.config import register_configs, trainer_dtype, validate
+    from colo_rl.models import load_policy
+    from colo_rl.trainer import GRPOTrainer, load_checkpoint
+
+    register_configs()
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        cfg = validate(compose("run", overrides=[*workload, *overrides, f"output_dir={run_dir}"]))
+    dtype = trainer_dtype(cfg)
+    policy = load_policy(cfg.model, run_dir / "embedded_model", "cpu", dtype=dtype)
+    start = {name: p.detach().clone() for name, p in policy.named_parameters()}
+    load_checkpoint(run_dir / "checkpoint", GRPOTrainer(policy, cfg.trainer, pad_token_id=0, temperature=1.0,
+                                                        max_tokens=8, device="cpu"))
+    changed = total = 0
+    norms_changed = norms_total = 0
+    with torch.no_grad():
+        for name, b in policy.named_parameters():
+            a = start[name]
+            diff = int((a != b).sum())
+            changed, total = changed + diff, total + a.numel()
+            if "norm" in name:
+                norms_changed, norms_total = norms_changed + diff, norms_total + a.numel()
+    return {"trainer_dtype": dtype, "changed_frac": changed / total,
+            "norm_weights_changed_frac": norms_changed / max(norms_total, 1)}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    arms = [a.partition("=") for a in args.arm] or [("mixed", "=", "")]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    workload = [f"model={args.model}", *WORKLOAD]
+    results = {"workload": workload, "arms": []}
+    for name, _, overrides in arms:
+        run_dir = args.out.parent / f"peer_{name}"
+        arm = run_arm(name, workload, overrides.split(), run_dir, args.timeout_s)
+        if not args.no_weights and (run_dir / "checkpoint").exists():
+            arm["weights"] = changed_fraction(run_dir, workload, overrides.split())
+        results["arms"].append(arm)
+        args.out.write_text(json.dumps(results, indent=1))  # a cut call still leaves the arms done
+        med = arm["median_steps_2_on"]
+        print(f"{name}: exit {arm['exit_code']}, wall {arm['wall_s']:.0f} s, engine start {arm['engine_start_s']}, "
+              f"peak {arm['peak_gpu_used_gib']} GiB, weights {arm.get('weights')}", flush=True)
+        for key, value in med.items():
+            print(f"  {key:32s} {value:10.3f}", flush=True)
+        if arm["exit_code"] != 0:
+            print(arm["output_tail"], flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
