@@ -37,7 +37,9 @@ KEYS = ["timing/step_s", "timing/generate_s", "timing/train_s", "timing/generato
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, required=True, help="JSON file; each run's directory goes beside it")
+    p.add_argument("--out", type=Path, required=True, help="JSON file of every number")
+    p.add_argument("--work-dir", type=Path, default=None,
+                   help="where the runs' directories go (checkpoints: 18 GB for the 1B shape); default beside --out")
     p.add_argument("--arm", action="append", default=[],
                    help="NAME=OVERRIDES (space-separated Hydra overrides on top of the workload); "
                         "default: one arm 'mixed' with colo_rl's defaults")
@@ -122,7 +124,7 @@ def main(argv=None) -> int:
     workload = [f"model={args.model}", *WORKLOAD]
     results = {"workload": workload, "arms": []}
     for name, _, overrides in arms:
-        run_dir = args.out.parent / f"peer_{name}"
+        run_dir = (args.work_dir or args.out.parent) / f"peer_{name}"
         arm = run_arm(name, workload, overrides.split(), run_dir, args.timeout_s)
         if not args.no_weights and (run_dir / "checkpoint").exists():
             arm["weights"] = changed_fraction(run_dir, workload, overrides.split())
