@@ -174,6 +174,10 @@ class TrainerConfig:
     # unbiased (Bessel) like TRL's GRPOTrainer and verl's GRPO advantage, so that runs compare
     # with theirs; population divides by n: advantages sqrt(n/(n-1)) times larger (1.07x at n=8)
     advantage_std: str = "unbiased"  # unbiased | population (only with advantage_norm=std)
+    clip_eps_high: Optional[float] = None  # DAPO clip-higher: ratio clipped to [1-clip_eps, 1+this]; null: clip_eps
+    # Truncated importance sampling (TRL's vllm_importance_sampling_correction, verl's TIS): each
+    # token's loss times min(exp(trainer - engine log-prob), tis_cap); null: off
+    tis_cap: Optional[float] = None
     kl_coef: float = 0.0  # >0 keeps a frozen reference policy and adds a k3 KL penalty
     # auto: `mixed` when model.dtype is bfloat16 or float16, else `pure`. mixed: fp32 master
     # weights and optimizer state, forward/backward autocast to model.dtype on a GPU (fp32 compute
@@ -219,6 +223,10 @@ class TrainerConfig:
         _check(self.max_grad_norm > 0, "trainer.max_grad_norm", self.max_grad_norm, "must be > 0")
         _check(0 < self.clip_eps < 1, "trainer.clip_eps", self.clip_eps, "must be in (0, 1)")
         _one_of("trainer.advantage_std", self.advantage_std, ("unbiased", "population"))
+        _check(self.clip_eps_high is None or self.clip_eps_high > 0, "trainer.clip_eps_high",
+               self.clip_eps_high, "must be null (= trainer.clip_eps) or > 0")
+        _check(self.tis_cap is None or self.tis_cap > 0, "trainer.tis_cap", self.tis_cap,
+               "must be null (off) or > 0 (e.g. 2.0)")
         _check(self.kl_coef >= 0, "trainer.kl_coef", self.kl_coef, "must be >= 0")
         _check(self.checkpoint_every >= 0, "trainer.checkpoint_every", self.checkpoint_every, "must be >= 0")
         _check(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "trainer.betas",
@@ -310,6 +318,15 @@ def validate(cfg: DictConfig | RunConfig) -> RunConfig:
         _check(s.n >= 2, "sampling.n", s.n,
                "must be >= 2 with trainer.advantage_norm=std (a group of one has no std); "
                "use trainer.advantage_norm=mean or a larger group")
+    if t.tis_cap is not None:
+        _check(s.logprobs, "sampling.logprobs", s.logprobs,
+               f"must be true with trainer.tis_cap={t.tis_cap} (the importance weights need the "
+               "engine's sampled log-probs); set sampling.logprobs=true or trainer.tis_cap=null")
+        mode = g.engine_kwargs.get("logprobs_mode", "raw_logprobs")
+        _check(s.temperature == 1 or mode == "processed_logprobs", "sampling.temperature", s.temperature,
+               f"needs +generator.engine_kwargs.logprobs_mode=processed_logprobs with trainer.tis_cap="
+               f"{t.tis_cap}: vLLM's default {mode!r} are log-probs before the temperature, the "
+               "trainer's after it, so their ratio would not be the sampling mismatch")
     if s.max_tokens >= g.max_model_len:
         raise ConfigError(f"sampling.max_tokens={s.max_tokens} must be below generator.max_model_len="
                           f"{g.max_model_len} (prompt and completion share it)")

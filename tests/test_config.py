@@ -71,10 +71,23 @@ def test_wrong_type_fails_at_compose_naming_the_key():
 
 @pytest.mark.parametrize("override,key", [
     ("trainer.advantage_std=sample", "trainer.advantage_std='sample' must be one of unbiased, population"),
+    ("trainer.clip_eps_high=-0.1", "trainer.clip_eps_high=-0.1 must be null"),
+    ("trainer.tis_cap=0", "trainer.tis_cap=0.0 must be null .off. or > 0"),
 ])
 def test_grpo_numerics_keys_out_of_range_fail_in_validate_naming_the_key(override, key):
     with pytest.raises(ConfigError, match=key.replace("(", r"\(")):
         validate(compose_config(override))
+
+
+def test_truncated_importance_sampling_needs_the_engines_logprobs_at_the_trainers_temperature():
+    with pytest.raises(ConfigError, match="sampling.logprobs=False must be true with trainer.tis_cap=2.0"):
+        validate(compose_config("trainer.tis_cap=2", "sampling.logprobs=false"))
+    with pytest.raises(ConfigError, match="sampling.temperature=0.7 needs "
+                                          r"\+generator.engine_kwargs.logprobs_mode=processed_logprobs"):
+        validate(compose_config("trainer.tis_cap=2", "sampling.temperature=0.7"))
+    validate(compose_config("trainer.tis_cap=2", "sampling.temperature=0.7",
+                            "+generator.engine_kwargs.logprobs_mode=processed_logprobs"))
+    assert validate(compose_config("trainer.tis_cap=2")).trainer.tis_cap == 2.0
 
 
 @pytest.mark.parametrize("override,key", [

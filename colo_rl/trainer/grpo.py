@@ -221,6 +221,9 @@ class GRPOTrainer:
         accumulating micro-batches of cfg.micro_batch_size sequences into the full-batch gradient.
         """
         _check_batch(prompt_ids, completion_ids, rewards, group_size, engine_logprobs)
+        if self.cfg.tis_cap is not None and engine_logprobs is None:
+            raise ValueError(f"trainer.tis_cap={self.cfg.tis_cap} needs the engine's sampled log-probs: "
+                             "pass engine_logprobs (sampling.logprobs=true) or set trainer.tis_cap=null")
         advantages = group_advantages(torch.tensor(rewards, dtype=torch.float64), group_size,
                                       self.cfg.advantage_norm, std=self.cfg.advantage_std)
         micro = self._micro_batches([p for p in prompt_ids for _ in range(group_size)],
@@ -242,6 +245,8 @@ class GRPOTrainer:
         metrics["train/advantage_abs_mean"] = float(advantages.abs().mean())
         if engine_logprobs is not None:
             metrics["train/engine_logprob_gap"] = _logprob_gap(micro, old)
+        if self.cfg.tis_cap is not None:
+            metrics.update(_tis_stats(micro, old, self.cfg.tis_cap))
         return metrics
 
     def _global_normalizer(self, lengths: torch.Tensor) -> float:
@@ -275,11 +280,14 @@ class GRPOTrainer:
             with _gradient_sync(self.forward_model, self.parallel, i == len(micro) - 1):
                 logprobs = self._token_logprobs(self.forward_model, mb)
                 logprobs_before.append(logprobs.detach())
-                loss, stats = grpo_loss(logprobs, logprobs_before[i] if old is None else old[i],
-                                        mb.advantages, mb.mask,
-                                        clip_eps=self.cfg.clip_eps, loss_agg=self.cfg.loss_agg,
-                                        max_tokens=self.max_tokens, ref_logprobs=ref[i],
-                                        kl_coef=self.cfg.kl_coef, normalizer=normalizer)
+                old_i = logprobs_before[i] if old is None else old[i]
+                tis = (_tis_ratio(mb, old_i).clamp(max=self.cfg.tis_cap)
+                       if self.cfg.tis_cap is not None else None)
+                loss, stats = grpo_loss(logprobs, old_i, mb.advantages, mb.mask,
+                                        clip_eps=self.cfg.clip_eps, clip_eps_high=self.cfg.clip_eps_high,
+                                        loss_agg=self.cfg.loss_agg, max_tokens=self.max_tokens,
+                                        ref_logprobs=ref[i], kl_coef=self.cfg.kl_coef,
+                                        tis_weights=tis, normalizer=normalizer)
                 loss.backward()
             loss_sum += float(loss.detach())
             clip_sum += stats["clip_frac"] * stats["tokens"]
@@ -398,6 +406,25 @@ def _frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
     reference = copy.deepcopy(model).eval()
     reference.requires_grad_(False)
     return reference
+
+
+def _tis_ratio(mb: _MicroBatch, trainer_logprobs: torch.Tensor) -> torch.Tensor:
+    """(b, T) exp(trainer - engine log-prob) of each sampled token, 1 at padded positions: the
+    importance weight of the trainer's policy before the update over the engine's that sampled."""
+    gap = torch.where(mb.mask.bool(), trainer_logprobs - mb.engine_logprobs, 0.0)
+    return torch.exp(gap)
+
+
+def _tis_stats(micro: list[_MicroBatch], trainer_logprobs: list[torch.Tensor], cap: float) -> dict[str, float]:
+    """The mean importance ratio before truncation over sampled tokens, and the share truncated."""
+    total, capped, tokens = 0.0, 0.0, 0.0
+    for mb, logprobs in zip(micro, trainer_logprobs):
+        ratio = _tis_ratio(mb, logprobs)
+        total += float((ratio * mb.mask).sum())
+        capped += float(((ratio > cap) * mb.mask).sum())
+        tokens += float(mb.mask.sum())
+    tokens = max(tokens, 1.0)
+    return {"train/tis_ratio_mean": total / tokens, "train/tis_capped_frac": capped / tokens}
 
 
 def _logprob_gap(micro: list[_MicroBatch], trainer_logprobs: list[torch.Tensor]) -> float:

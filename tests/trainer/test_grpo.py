@@ -128,6 +128,65 @@ def test_grpo_loss_adds_the_k3_kl_penalty():
     assert stats["kl"] == pytest.approx(sum(kl) / 5, rel=1e-6)
 
 
+@pytest.mark.parametrize("clip_eps_high, expected_loss, expected_clip_frac", [
+    # TRL 1.16 GRPOTrainer._compute_loss, loss_type="dapo" (token mean), epsilon_low=0.2:
+    # coef_2 = clamp(coef_1, 1 - epsilon_low, 1 + epsilon_high), loss -min(coef_1 A, coef_2 A);
+    # clip_ratio/region_mean counts (coef_1 < 1 - eps_low and A < 0) or (coef_1 > 1 + eps_high and A > 0).
+    (0.28, 0.4116666666666666, 3 / 6),
+    (None, 0.4333333333333334, 4 / 6),  # epsilon_high = epsilon_low
+])
+def test_clip_higher_matches_trl_epsilon_low_and_high(clip_eps_high, expected_loss, expected_clip_frac):
+    """Ratio 1.25 with a positive advantage is inside [0.8, 1.28] but outside [0.8, 1.2]."""
+    ratios = torch.tensor([[1.5, 1.25, 0.7], [0.5, 1.25, 0.75]])
+    old = torch.full((2, 3), -1.0)
+    logprobs = (old + ratios.log()).requires_grad_(True)
+    loss, stats = grpo_loss(logprobs, old, torch.tensor([1.0, -2.0]), torch.ones(2, 3), clip_eps=0.2,
+                            clip_eps_high=clip_eps_high, loss_agg="token", max_tokens=3)
+    assert loss.item() == pytest.approx(expected_loss, rel=1e-6)
+    assert stats["clip_frac"] == pytest.approx(expected_clip_frac)
+    loss.backward()
+    assert (logprobs.grad[0, 1] != 0) == (clip_eps_high == 0.28)  # the 1.25 token still learns
+
+
+def test_truncated_importance_weights_multiply_the_policy_term_as_in_trl():
+    """TRL 1.16: per_token_loss = -min(coef_1 A, coef_2 A) * clamp(exp(old - vllm logp), max=cap),
+    then + beta * kl. With weights min(w, 2) of w = 3, 0.5, 1, 2.5, 1.5 and the ratios of
+    _loss_batch: (-1.2*2 - 0.9*0.5 - 1.0*1 + 1.6*2 + 2.2*1.5) / 5 = 0.53, plus the unweighted KL."""
+    logprobs, old, advantages, mask = _loss_batch()
+    weights = torch.tensor([[3.0, 0.5, 1.0], [2.5, 1.5, 1e4]]).clamp(max=2.0)  # the 1e4 is masked
+    loss, stats = grpo_loss(logprobs, old, advantages, mask, clip_eps=0.2, loss_agg="token", max_tokens=4,
+                            tis_weights=weights)
+    assert loss.item() == pytest.approx(0.53, rel=1e-6)
+    delta = torch.tensor([[0.5, 0.0, -0.5], [1.0, 0.2, 3.0]])
+    kl = sum(math.exp(d) - d - 1 for d in (0.5, 0.0, -0.5, 1.0, 0.2))
+    loss, _ = grpo_loss(logprobs, old, advantages, mask, clip_eps=0.2, loss_agg="token", max_tokens=4,
+                        tis_weights=weights, ref_logprobs=logprobs.detach() + delta, kl_coef=0.1)
+    assert loss.item() == pytest.approx(0.53 + 0.1 * kl / 5, rel=1e-6)
+
+
+def test_the_trainer_weights_each_token_by_its_capped_engine_ratio_and_logs_it(model_dir):
+    """Engine log-probs lower than the trainer's by log(w) give importance ratios w; on the first
+    update the PPO ratio is 1, so the loss is -sum_i A_i sum_t min(w_it, cap) / tokens."""
+    trainer = make_trainer(model_dir, tis_cap=2.0, micro_batch_size=4)
+    exact = _reference_logprobs(trainer.model, 1.0)
+    cycle = [0.5, 1.0, 3.0, 1.5, 2.5]
+    w = [[cycle[(i + t) % len(cycle)] for t in range(len(c))] for i, c in enumerate(COMPLETIONS)]
+    engine = [[lp - math.log(x) for lp, x in zip(row, ws)] for row, ws in zip(exact, w)]
+    advantages = group_advantages(torch.tensor(REWARDS, dtype=torch.float64), GROUP, "mean").tolist()
+    tokens = sum(len(c) for c in COMPLETIONS)
+    expected = -sum(a * sum(min(x, 2.0) for x in ws) for a, ws in zip(advantages, w)) / tokens
+    metrics = trainer.train_step(PROMPTS, COMPLETIONS, REWARDS, GROUP, engine_logprobs=engine)
+    assert metrics["train/loss"] == pytest.approx(expected, rel=1e-4)
+    assert metrics["train/tis_ratio_mean"] == pytest.approx(sum(map(sum, w)) / tokens, rel=1e-4)
+    assert metrics["train/tis_capped_frac"] == sum(x > 2.0 for ws in w for x in ws) / tokens
+    with pytest.raises(ValueError, match="trainer.tis_cap=2.0 needs the engine's sampled log-probs"):
+        trainer.train_step(PROMPTS, COMPLETIONS, REWARDS, GROUP)
+    untouched = make_trainer(model_dir).train_step(PROMPTS, COMPLETIONS, REWARDS, GROUP, engine_logprobs=engine)
+    assert "train/tis_ratio_mean" not in untouched
+    assert untouched["train/loss"] == pytest.approx(-sum(a * len(c) for a, c in zip(advantages, COMPLETIONS))
+                                                    / tokens, abs=1e-6)
+
+
 @pytest.mark.parametrize("loss_agg", ["token", "sequence", "constant"])
 def test_extreme_values_at_padded_positions_give_the_loss_of_the_unpadded_rows(loss_agg):
     """exp(ref - logp) of ref=+1e4 overflows to inf, and an old log-prob of -1e4 makes the ratio
