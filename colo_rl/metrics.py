@@ -11,6 +11,7 @@ from pathlib import Path
 from statistics import mean
 
 from colo_rl.config import LoggerConfig
+from colo_rl.rundir import drop_records_from
 
 STEP_KEY = "train/step"
 # Phases of a step in the order they happen; the summary table and dashboards use this order.
@@ -55,6 +56,8 @@ class MetricsLogger:
         if not self.enabled:
             return self
         self.output_dir.mkdir(parents=True, exist_ok=True)
+        # A run resumed into its own directory logs again the steps after its checkpoint
+        drop_records_from(self.path, self.initial_step, STEP_KEY)
         self._file = open(self.path, "a")
         if self.cfg.backend == "wandb":
             self._start_wandb()

@@ -8,9 +8,13 @@ report. It works without `@hydra.main` (tests call it through Hydra's compose AP
 from __future__ import annotations
 
 import logging
+import os
 import random
+import shutil
 import signal
+import sys
 import time
+from contextlib import nullcontext
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,15 +24,16 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from colo_rl.config import (RunConfig, register_configs, resolve_device, trainer_dtype, trainer_precision,
-                            validate)
+from colo_rl.config import (ConfigError, RunConfig, register_configs, resolve_device, trainer_dtype,
+                            trainer_precision, validate)
 from colo_rl.generator import GeneratorError, VLLMGenerator
 from colo_rl.metrics import MetricsLogger, print_summary
 from colo_rl.models import DTYPES, load_policy, load_tokenizer, prepare_model_dir
 from colo_rl.parallel import Parallel, reduce_step_metrics
+from colo_rl.rundir import RunDirLock
 from colo_rl.tasks import make_task
 from colo_rl.timing import StepTimer, host_metrics
-from colo_rl.trainer import GRPOTrainer, Offloader, load_checkpoint, save_checkpoint
+from colo_rl.trainer import CheckpointError, GRPOTrainer, Offloader, load_checkpoint, save_checkpoint
 
 log = logging.getLogger("colo_rl")
 register_configs()
@@ -49,6 +54,7 @@ class InterruptGuard:
     def __init__(self) -> None:
         self.deferring = False
         self.pending: int | None = None
+        self.update_failed = False
 
     def _handler(self, signum, frame):
         if self.deferring:
@@ -67,13 +73,31 @@ class InterruptGuard:
 
     @contextmanager
     def deferred(self):
+        """The update window: an exception inside leaves the trainer's state unknown."""
         self.deferring = True
         try:
             yield
+        except BaseException:
+            self.update_failed = True
+            raise
         finally:
             self.deferring = False
         if self.pending is not None:
             raise Interrupted(self.pending)
+
+    def shutting_down(self, kill_engine) -> None:
+        """From now on SIGINT/SIGTERM end the process at once: the user asked twice, or asked
+        while a failure is being handled. `kill_engine` takes the engine's group down first."""
+
+        def exit_now(signum, frame):
+            name = signal.Signals(signum).name
+            print(f"colo_rl: {name} while shutting down: exiting now (exit code {128 + signum}); "
+                  "the last complete checkpoint is kept", file=sys.stderr, flush=True)
+            kill_engine()
+            os._exit(128 + signum)
+
+        for s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, exit_now)
 
 
 def _hydra_run_info() -> tuple[Path | None, str | None, str | None]:
@@ -127,7 +151,9 @@ def train(cfg: DictConfig, generator: VLLMGenerator | None = None) -> RunResult:
     # -- setup: everything that can fail on bad input fails here, before any engine starts ---
     par = Parallel.from_torchrun(t.parallel, resolve_device(t.device))
     try:
-        return _train(cfg, settings, generator, par, output_dir, group, name)
+        # rank 0's directory is every rank's (broadcast in _train); rank 0 holds it
+        with RunDirLock(output_dir) if par.is_main else nullcontext():
+            return _train(cfg, settings, generator, par, output_dir, group, name)
     finally:
         par.close()
 
@@ -157,6 +183,10 @@ def _train(cfg: DictConfig, settings: RunConfig, generator: VLLMGenerator | None
         extra = load_checkpoint(t.resume, trainer)
         rng.setstate(extra["task_rng"])
         start_step = extra["step"]
+        if start_step >= t.steps:
+            raise ConfigError(f"trainer.resume={t.resume} holds a run that already did {start_step} "
+                              f"steps, so trainer.steps={t.steps} leaves none to do: raise trainer.steps "
+                              f"above {start_step}")
         log.info("resumed from %s after %d steps", t.resume, start_step)
     if s.n == 1:
         log.warning("sampling.n=1: every GRPO advantage is zero, so this run measures generation "
@@ -168,45 +198,23 @@ def _train(cfg: DictConfig, settings: RunConfig, generator: VLLMGenerator | None
         tokenizer=settings.model.tokenizer,
         log_name=f"engine_rank{par.rank}.log" if par.enabled else "engine.log",
         gpu=par.engine_gpu() if device.startswith("cuda") else None)
-    # A bad engine setting (path, memory) fails here with vLLM's own message, before step 0
-    # moves any trainer state; start() leaves no worker process behind when it fails.
-    generator.ensure_started(trainer.model)
     checkpoint_dir = output_dir / "checkpoint"
     guard = InterruptGuard()
-    logger = MetricsLogger(settings.logger, output_dir=output_dir,
-                           config=OmegaConf.to_container(cfg, resolve=True), group=group, name=name,
-                           total_steps=t.steps, initial_step=start_step, enabled=par.is_main)
-
-    # -- train ----------------------------------------------------------------------------
-    # `done` is what a checkpoint holds: steps fully applied and logged, and the task sampler's
-    # state before the next step, so a resumed run draws the same prompts as an uninterrupted one.
-    done = {"step": start_step, "task_rng": rng.getstate()}
-    with guard.installed(), logger:
+    with guard.installed():
         try:
-            for step in range(start_step, t.steps):
-                train_one_step(step, settings, task, rng, tokenizer, trainer, offloader,
-                               generator, logger, guard, done, par)
-                if t.checkpoint_every and done["step"] % t.checkpoint_every == 0:
-                    _checkpoint(par, checkpoint_dir, trainer, done)
+            # A bad engine setting (path, memory) fails here with vLLM's own message, before step 0
+            # moves any trainer state; start() leaves no worker process behind when it fails.
+            generator.ensure_started(trainer.model)
         except KeyboardInterrupt as exc:
-            # The generator has put the engine to sleep and restored the trainer before this.
-            if par.mode == "fsdp":  # gathering shards needs every rank, and some may be gone
-                log.error("interrupted after %d steps (%s); trainer.parallel=fsdp writes no "
-                          "checkpoint on interruption", done["step"], exc)
-            elif par.is_main:
-                path = save_checkpoint(checkpoint_dir, trainer, done)
-                log.error("interrupted after %d steps (%s); checkpoint written to %s; resume with "
-                          "trainer.resume=%s", done["step"], exc, path, checkpoint_dir)
-            if owns_generator:
-                generator.close()
-            raise SystemExit(128 + getattr(exc, "signum", signal.SIGINT)) from exc
-        except BaseException:
-            if owns_generator and generator.process is not None:
-                generator.process.close()  # the error itself is what the user needs to see
-            raise
-        _checkpoint(par, checkpoint_dir, trainer, done)
-        if owns_generator:
-            generator.close()
+            log.error("%s during the engine's start: it was stopped, no step ran", exc)
+            raise SystemExit(128 + getattr(exc, "signum", signal.SIGINT)) from None
+        logger = MetricsLogger(settings.logger, output_dir=output_dir,
+                               config=OmegaConf.to_container(cfg, resolve=True), group=group,
+                               name=name, total_steps=t.steps, initial_step=start_step,
+                               enabled=par.is_main)
+        with logger:
+            _loop(settings, task, rng, tokenizer, trainer, offloader, generator, logger, guard, par,
+                  start_step, checkpoint_dir, owns_generator)
 
     # -- report ---------------------------------------------------------------------------
     if par.is_main:
@@ -217,11 +225,108 @@ def _train(cfg: DictConfig, settings: RunConfig, generator: VLLMGenerator | None
                      logger.final_summary, logger.final_config)
 
 
+def _loop(settings: RunConfig, task, rng: random.Random, tokenizer, trainer: GRPOTrainer,
+          offloader: Offloader, generator: VLLMGenerator, logger: MetricsLogger,
+          guard: InterruptGuard, par: Parallel, start_step: int, checkpoint_dir: Path,
+          owns_generator: bool) -> None:
+    """The steps, then the final checkpoint; on an interruption or a failure, a checkpoint of
+    the last applied step (when the trainer's state is intact) and the engine closed."""
+    t = settings.trainer
+    # `done` is what a checkpoint holds: steps fully applied and logged, and the task sampler's
+    # state before the next step, so a resumed run draws the same prompts as an uninterrupted one.
+    done = {"step": start_step, "task_rng": rng.getstate()}
+    try:
+        for step in range(start_step, t.steps):
+            train_one_step(step, settings, task, rng, tokenizer, trainer, offloader,
+                           generator, logger, guard, done, par)
+            if t.checkpoint_every and done["step"] % t.checkpoint_every == 0:
+                _checkpoint(par, checkpoint_dir, trainer, done)
+        # The engine first: the checkpoint does not need it, and if writing fails none is left.
+        if owns_generator:
+            generator.close()
+        _checkpoint(par, checkpoint_dir, trainer, done)
+    except KeyboardInterrupt as exc:
+        # The generator has put the engine to sleep and restored the trainer before this.
+        guard.shutting_down(_engine_killer(generator if owns_generator else None))
+        if par.mode == "fsdp":  # gathering shards needs every rank, and some may be gone
+            log.error("interrupted after %d steps (%s); trainer.parallel=fsdp writes no "
+                      "checkpoint on interruption", done["step"], exc)
+        elif par.is_main:
+            path = _save(checkpoint_dir, trainer, done)
+            log.error("interrupted after %d steps (%s); checkpoint written to %s; resume with "
+                      "trainer.resume=%s", done["step"], exc, path, checkpoint_dir)
+        if owns_generator:
+            generator.close()
+        raise SystemExit(128 + getattr(exc, "signum", signal.SIGINT)) from exc
+    except BaseException as exc:
+        guard.shutting_down(_engine_killer(generator if owns_generator else None))
+        if owns_generator and generator.process is not None:
+            generator.process.close()  # the error itself is what the user needs to see
+        if par.is_main:
+            _checkpoint_after_failure(exc, par, checkpoint_dir, trainer, done, start_step,
+                                      intact=not guard.update_failed, resumed_from=t.resume)
+        raise
+
+
+def _engine_killer(generator: VLLMGenerator | None):
+    def kill() -> None:
+        if generator is not None and generator.process is not None:
+            generator.process.kill_now()
+    return kill
+
+
+def _checkpoint_after_failure(exc: BaseException, par: Parallel, directory: Path,
+                              trainer: GRPOTrainer, done: dict, start_step: int, *, intact: bool,
+                              resumed_from: str | None) -> None:
+    """Write what the failure left intact and say how to go on from it."""
+    what = f"{type(exc).__name__} after {done['step']} steps"
+    earlier = (f"trainer.resume={resumed_from} still holds step {start_step}" if resumed_from
+               else "a run without trainer.resume starts it again")
+    if not intact:
+        log.error("%s, in the middle of a step's update: the trainer's state is not that of a "
+                  "whole step, so no checkpoint is written; the last one written (if any) is in "
+                  "%s", what, directory)
+    elif par.mode == "fsdp":  # gathering shards needs every rank, and some may be gone
+        log.error("%s; trainer.parallel=fsdp writes no checkpoint on a failure", what)
+    elif done["step"] == start_step:
+        log.error("%s: no step was applied, nothing new to checkpoint (%s)", what, earlier)
+    else:
+        try:
+            path = _save(directory, trainer, done)
+        except CheckpointError as save_error:
+            log.error("%s; the checkpoint of step %d could not be written either: %s",
+                      what, done["step"], save_error)
+            return
+        log.error("%s; checkpoint of the last applied step (%d) written to %s; resume with "
+                  "trainer.resume=%s", what, done["step"], path, directory)
+
+
+def _save(directory: Path, trainer: GRPOTrainer, done: dict, state: dict | None = None) -> Path:
+    """save_checkpoint, with a failed write (a full disk, a size limit, no permission) reported
+    as what it is, naming the directory; the previous checkpoint there stays as it was."""
+    try:
+        return save_checkpoint(directory, trainer, done, state=state)
+    except CheckpointError:
+        raise
+    except (OSError, RuntimeError) as exc:  # torch.save reports a failed write as a RuntimeError
+        if isinstance(exc, OSError) and exc.errno is not None:
+            reason = os.strerror(exc.errno)
+        else:
+            try:
+                free = shutil.disk_usage(directory).free / 2**20
+                reason = f"the write failed with {free:.0f} MiB free on that disk (full, or a file size limit)"
+            except OSError:
+                reason = "the write failed"
+        raise CheckpointError(f"could not write a checkpoint into {directory}: {reason}. The "
+                              "previous checkpoint there (if any) is unchanged; free space there "
+                              "and resume from it with trainer.resume=" f"{directory}") from None
+
+
 def _checkpoint(par: Parallel, directory: Path, trainer: GRPOTrainer, done: dict) -> None:
     """Rank 0 writes the checkpoint; under FSDP every rank first helps gather the full state."""
     state = trainer.state_dict() if par.mode == "fsdp" else None
     if par.is_main:
-        save_checkpoint(directory, trainer, done, state=state)
+        _save(directory, trainer, done, state=state)
 
 
 def prompt_seeds(sampling_seed: int | None, step: int, num_prompts: int, n: int) -> list[int] | None:

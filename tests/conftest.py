@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import tempfile
+from glob import glob
 from pathlib import Path
 
 import psutil
@@ -42,6 +44,26 @@ def engine_processes() -> set[int]:
         except psutil.NoSuchProcess:
             continue
     return pids
+
+
+def leftovers(trainer_pid: int, keep: tuple[str, ...] = ()) -> tuple[list[str], list[int]]:
+    """What a run of trainer `trainer_pid` left: its control-socket directories (authkey inside)
+    other than `keep`, and live processes started with one of its worker configs (its engine
+    workers, even once reparented to init)."""
+    marker = f"colo_rl-{trainer_pid}-"
+    dirs = [d for d in glob(f"{tempfile.gettempdir()}/{marker}*") if d not in keep]
+    procs = []
+    for proc in psutil.process_iter(["cmdline", "status"]):
+        cmdline = " ".join(proc.info["cmdline"] or [])
+        if marker in cmdline and not any(k in cmdline for k in keep) \
+                and proc.info["status"] != psutil.STATUS_ZOMBIE:
+            procs.append(proc.pid)
+    return dirs, procs
+
+
+def shared(engine) -> tuple[str, ...]:
+    """The session engine's control-socket directory, which outlives a test, if it runs."""
+    return (engine.process.socket_dir,) if engine.process is not None else ()
 
 
 @pytest.fixture(scope="session")

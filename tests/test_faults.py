@@ -10,19 +10,24 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from colo_rl.config import GeneratorConfig, SamplingConfig
+from colo_rl.config import ConfigError, GeneratorConfig, SamplingConfig
 from colo_rl.generator import GeneratorError, VLLMGenerator
 from colo_rl.generator.client import group_members
 from colo_rl.generator.worker import FAULT_ENV
 from colo_rl.run import train
+from colo_rl.rundir import RunDirInUse, RunDirLock
 from colo_rl.trainer import Offloader
 
-from .conftest import compose_config, engine_processes, small_run_overrides
+from .conftest import ROOT, compose_config, engine_processes, leftovers, shared, small_run_overrides
 from .generator.test_generator import GREEDY, PROMPTS, hf_greedy
+from .test_run import read_metrics
 
 
 def snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
@@ -166,11 +171,112 @@ def test_restart_on_failure_continues_the_run_after_the_worker_is_killed(tmp_pat
 
 
 @pytest.mark.slow
-def test_without_restart_on_failure_the_run_stops_naming_the_phase(tmp_path, monkeypatch):
-    monkeypatch.setenv(FAULT_ENV, "generate:SIGKILL")
+def test_without_restart_on_failure_the_run_stops_with_a_checkpoint_of_its_last_step(
+        tmp_path, monkeypatch, caplog, engine):
+    """The worker is SIGKILLed in step 1's generate: the run stops naming the phase, and the
+    trainer's state (restored by the generator) is checkpointed as of step 1; resuming into the
+    same directory continues metrics.jsonl with step 1."""
+    monkeypatch.setenv(FAULT_ENV, "generate@2:SIGKILL")
     before = engine_processes()
-    with pytest.raises(GeneratorError, match=r"(?s)during generate: .*exited with code -9"):
-        train(compose_config(*small_run_overrides(tmp_path, "logger=none")))
-    assert not (tmp_path / "checkpoint").exists()
+    with caplog.at_level(logging.ERROR, logger="colo_rl"):
+        with pytest.raises(GeneratorError, match=r"(?s)during generate: .*exited with code -9"):
+            train(compose_config(*small_run_overrides(tmp_path, "logger=none")))
+    checkpoint = tmp_path / "checkpoint"
+    assert torch.load(checkpoint / "trainer.pt", weights_only=True)["extra"]["step"] == 1
+    assert (f"GeneratorError after 1 steps; checkpoint of the last applied step (1) written to "
+            f"{checkpoint / 'trainer.pt'}; resume with trainer.resume={checkpoint}") in caplog.text
     assert engine_processes() == before
-    assert os.path.getsize(tmp_path / "metrics.jsonl") == 0
+    assert leftovers(os.getpid(), keep=shared(engine)) == ([], [])
+    assert [r["train/step"] for r in read_metrics(tmp_path)] == [0]
+
+    monkeypatch.delenv(FAULT_ENV)
+    resumed = train(compose_config(*small_run_overrides(
+        tmp_path, "logger=none", f"trainer.resume={checkpoint}")), engine)
+    assert [r["train/step"] for r in resumed.records] == [1, 2]
+    assert [r["train/step"] for r in read_metrics(tmp_path)] == [0, 1, 2]
+
+
+class RaisingReward:
+    """A task whose reward function raises in step `fail_at` (a user's bug in their own code)."""
+
+    def __init__(self, task, fail_at: int, per_step: int):
+        self.task, self.calls, self.fail_after = task, 0, fail_at * per_step
+
+    def sample(self, count, rng):
+        return self.task.sample(count, rng)
+
+    def score(self, prompt, completion):
+        self.calls += 1
+        if self.calls > self.fail_after:
+            raise ZeroDivisionError("the reward function's own bug")
+        return self.task.score(prompt, completion)
+
+
+def test_a_raising_reward_leaves_a_checkpoint_and_resumes_continue_metrics_without_duplicates(
+        tmp_path, monkeypatch, caplog, engine):
+    """Step 3's reward function raises: checkpoint of step 3 (the trainer's state is intact),
+    the resume command logged. Then, resumed into the same directory twice, the second time from
+    that older checkpoint: metrics.jsonl holds every step once, and the steps logged again are
+    the same numbers (an exact resume)."""
+    import colo_rl.run as run_module
+
+    real_make_task = run_module.make_task
+    per_step = 4 * 4  # trainer.prompts_per_step x sampling.n of small_run_overrides
+    monkeypatch.setattr(run_module, "make_task", lambda cfg: RaisingReward(real_make_task(cfg), 3, per_step))
+    with caplog.at_level(logging.ERROR, logger="colo_rl"):
+        with pytest.raises(ZeroDivisionError):
+            train(compose_config(*small_run_overrides(tmp_path, "logger=none", "trainer.steps=5")), engine)
+    checkpoint = tmp_path / "checkpoint"
+    assert f"ZeroDivisionError after 3 steps; checkpoint of the last applied step (3)" in caplog.text
+    assert f"resume with trainer.resume={checkpoint}" in caplog.text
+    assert [r["train/step"] for r in read_metrics(tmp_path)] == [0, 1, 2]
+    older = tmp_path / "step3"
+    shutil.copytree(checkpoint, older)
+
+    monkeypatch.setattr(run_module, "make_task", real_make_task)
+    resume = ("logger=none", "trainer.steps=5")
+    train(compose_config(*small_run_overrides(tmp_path, *resume, f"trainer.resume={checkpoint}")), engine)
+    first = read_metrics(tmp_path)
+    assert [r["train/step"] for r in first] == [0, 1, 2, 3, 4]
+    with caplog.at_level(logging.WARNING, logger="colo_rl"):
+        train(compose_config(*small_run_overrides(tmp_path, *resume, f"trainer.resume={older}")), engine)
+    assert "dropped 2 records of steps >= 3" in caplog.text
+    again = read_metrics(tmp_path)
+    assert [r["train/step"] for r in again] == [0, 1, 2, 3, 4]
+    keys = ("reward/mean", "train/loss", "train/grad_norm")
+    assert [{k: r[k] for k in keys} for r in again] == [{k: r[k] for k in keys} for r in first]
+    assert leftovers(os.getpid(), keep=shared(engine)) == ([], [])
+
+
+def test_resuming_a_finished_run_is_refused_before_any_engine_starts(tmp_path, engine):
+    train(compose_config(*small_run_overrides(tmp_path / "done", "logger=none", "trainer.steps=2")), engine)
+    before = engine_processes()
+    with pytest.raises(ConfigError, match=rf"trainer.resume={tmp_path / 'done' / 'checkpoint'} holds "
+                                          r"a run that already did 2 steps, so trainer.steps=2 leaves "
+                                          r"none to do: raise trainer.steps above 2"):
+        train(compose_config(*small_run_overrides(
+            tmp_path / "again", "logger=none", "trainer.steps=2",
+            f"trainer.resume={tmp_path / 'done' / 'checkpoint'}")))
+    assert engine_processes() == before and not (tmp_path / "again" / "engine.log").exists()
+
+
+def test_a_second_run_into_a_directory_in_use_is_refused_before_any_engine_starts(tmp_path):
+    """The first run is another real process holding the directory's lock; once it is killed
+    (no chance to clean up), the directory is free again."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from colo_rl.rundir import RunDirLock; "
+         "RunDirLock(sys.argv[1]).__enter__(); print('held', flush=True); time.sleep(600)", str(tmp_path)],
+        stdout=subprocess.PIPE, text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        before = engine_processes()
+        with pytest.raises(RunDirInUse, match=rf"output_dir={tmp_path} is in use by another colo_rl "
+                                              rf"run \(pid {holder.pid}, lock "):
+            train(compose_config(*small_run_overrides(tmp_path, "logger=none")))
+        assert engine_processes() == before
+        assert not (tmp_path / "engine.log").exists() and not (tmp_path / "metrics.jsonl").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    with RunDirLock(tmp_path):  # the kernel dropped the dead holder's lock
+        pass

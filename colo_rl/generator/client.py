@@ -18,7 +18,9 @@ import subprocess
 import tempfile
 import time
 from dataclasses import dataclass, field
-from multiprocessing.connection import Client, Connection
+from glob import glob
+from multiprocessing import AuthenticationError
+from multiprocessing.connection import Client, Connection, answer_challenge, deliver_challenge
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -27,6 +29,7 @@ import torch
 
 import colo_rl
 from colo_rl.config import GeneratorConfig, SamplingConfig, engine_python, resolve_device
+from colo_rl.generator.channel import read_deadline
 from colo_rl.generator.staging import tensor_checksum, write_staged_file
 from colo_rl.timing import StepTimer
 
@@ -34,6 +37,8 @@ if TYPE_CHECKING:
     from colo_rl.trainer.offload import Offloader
 
 log = logging.getLogger(__name__)
+
+SOCKET_DIR_PREFIX = "colo_rl-"  # tempfile.gettempdir()/colo_rl-PID-XXXX: the worker's socket and authkey
 
 
 class GeneratorError(RuntimeError):
@@ -87,13 +92,16 @@ class EngineProcess:
         return self.proc is not None and self.proc.poll() is None
 
     def spawn(self, connect_timeout: float) -> None:
-        self.socket_dir = tempfile.mkdtemp(prefix="colo_rl-")  # mode 0700
+        remove_stale_socket_dirs()
+        # mode 0700; the pid in the name lets a later run find the directory if this one dies
+        self.socket_dir = tempfile.mkdtemp(prefix=f"{SOCKET_DIR_PREFIX}{os.getpid()}-")
         socket_path = os.path.join(self.socket_dir, "control.sock")
         authkey = os.urandom(32)
         config_path = os.path.join(self.socket_dir, "worker.json")
         fd = os.open(config_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
-            json.dump({"socket": socket_path, "authkey": authkey.hex(), "parent_pid": os.getpid()}, f)
+            json.dump({"socket": socket_path, "authkey": authkey.hex(), "parent_pid": os.getpid(),
+                       "parent_started": psutil.Process().create_time()}, f)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log_file:
             self.proc = subprocess.Popen(
@@ -103,14 +111,29 @@ class EngineProcess:
         self.conn = self._connect(socket_path, authkey, connect_timeout)
 
     def _connect(self, socket_path: str, authkey: bytes, timeout: float) -> Connection:
+        """Connect and authenticate, all within `timeout` (generator.start_timeout_s): a worker
+        that accepts but never answers the handshake ends in an error, not a wait forever."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             self._raise_if_dead("connect")
             if os.path.exists(socket_path):
                 try:
-                    return Client(socket_path, family="AF_UNIX", authkey=authkey)
+                    conn = Client(socket_path, family="AF_UNIX")  # no authkey: the handshake is below
                 except (ConnectionRefusedError, FileNotFoundError):
-                    pass  # the listener is not accepting yet
+                    conn = None  # the listener is not accepting yet
+                if conn is not None:
+                    try:
+                        with read_deadline(conn, max(0.1, deadline - time.monotonic())):
+                            answer_challenge(conn, authkey)
+                            deliver_challenge(conn, authkey)
+                    except (OSError, EOFError, AuthenticationError) as exc:
+                        conn.close()
+                        self._raise_if_dead("connect")
+                        raise GeneratorError(
+                            f"the worker's control socket did not complete the handshake within "
+                            f"generator.start_timeout_s={timeout:.0f} s ({type(exc).__name__}: {exc})",
+                            phase="connect", log_path=self.log_path) from None
+                    return conn
             time.sleep(0.05)
         raise GeneratorError(f"worker did not open its control socket within {timeout:.0f} s",
                              phase="connect", log_path=self.log_path)
@@ -169,27 +192,84 @@ class EngineProcess:
                 time.sleep(0.1)
         return self.proc.poll() is not None and not group_members(pgid)
 
-    def close(self, timeout: float = 60.0) -> int | None:
-        """Ask the worker to shut down, wait, then kill its group; returns its exit code."""
+    def close(self, timeout: float = 60.0, polite: bool = True) -> int | None:
+        """Ask the worker to shut down (unless not `polite`), wait, then kill its group; returns
+        its exit code. Interrupted half-way, it still kills the group and removes the socket
+        directory before the interruption goes on."""
         if self.proc is None:
             return None
-        if self.alive() and self.conn is not None:
-            try:
-                self.request("shutdown", timeout=timeout)
-                self.proc.wait(timeout=timeout)
-            except (GeneratorError, OSError, subprocess.TimeoutExpired) as exc:
-                log.warning("engine did not shut down politely (%s); killing its process group", exc)
-        released = self.kill()
-        if self.conn is not None:
-            self.conn.close()
-        if self.socket_dir:
-            shutil.rmtree(self.socket_dir, ignore_errors=True)
-        code = self.proc.returncode
-        self.proc, self.conn, self.socket_dir = None, None, None
+        try:
+            if polite and self.alive() and self.conn is not None:
+                try:
+                    self.request("shutdown", timeout=timeout)
+                    self.proc.wait(timeout=timeout)
+                except (GeneratorError, OSError, subprocess.TimeoutExpired) as exc:
+                    log.warning("engine did not shut down politely (%s); killing its process group", exc)
+        finally:
+            released = self.kill()
+            if self.conn is not None:
+                self.conn.close()
+            if self.socket_dir:
+                shutil.rmtree(self.socket_dir, ignore_errors=True)
+            code = self.proc.returncode
+            self.proc, self.conn, self.socket_dir = None, None, None
         if not released:
             raise GeneratorError("processes of the engine's group survived SIGKILL",
                                  phase="close", log_path=self.log_path)
         return code
+
+    def kill_now(self) -> None:
+        """SIGKILL the worker's group and remove its socket directory, without waiting: for a
+        trainer that exits at once."""
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        if self.socket_dir:
+            shutil.rmtree(self.socket_dir, ignore_errors=True)
+
+
+def remove_stale_socket_dirs() -> list[str]:
+    """Remove the control-socket directories (authkey inside) of colo_rl runs whose trainer is
+    dead: one killed before it could clean up. Directories of live runs are left alone."""
+    removed = []
+    for path in glob(os.path.join(tempfile.gettempdir(), f"{SOCKET_DIR_PREFIX}*")):
+        try:
+            if not os.path.isdir(path) or os.stat(path).st_uid != os.getuid():
+                continue
+        except OSError:
+            continue
+        owner = _socket_dir_owner(path)
+        if owner is not None and not _running(*owner):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    if removed:
+        log.info("removed %d control-socket directories of dead colo_rl runs: %s", len(removed),
+                 ", ".join(removed))
+    return removed
+
+
+def _socket_dir_owner(path: str) -> tuple[int, float | None] | None:
+    """(trainer pid, its start time) from worker.json, or the pid from the directory's name."""
+    try:
+        with open(os.path.join(path, "worker.json")) as f:
+            info = json.load(f)
+        return int(info["parent_pid"]), info.get("parent_started")
+    except (OSError, ValueError, KeyError, TypeError):
+        pid = os.path.basename(path)[len(SOCKET_DIR_PREFIX):].split("-", 1)[0]
+        return (int(pid), None) if pid.isdigit() else None
+
+
+def _running(pid: int, started: float | None) -> bool:
+    try:
+        proc = psutil.Process(pid)
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return False
+        return started is None or abs(proc.create_time() - started) < 1.0  # not a reused pid
+    except psutil.NoSuchProcess:
+        return False
 
 
 class _NoOffload:
@@ -288,9 +368,10 @@ class VLLMGenerator:
         self.process = EngineProcess(engine_python(self.cfg), self.log_path, self._env())
         try:
             return self._start(hf_specs)
-        except BaseException:
+        except BaseException as exc:
             process, self.process = self.process, None
-            process.close()
+            # interrupted: the worker is busy starting and would answer `shutdown` only after that
+            process.close(polite=isinstance(exc, Exception))
             raise
 
     def _start(self, hf_specs: list[list]) -> dict:

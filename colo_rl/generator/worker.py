@@ -12,13 +12,15 @@ import gc
 import json
 import os
 import queue
+import shutil
 import signal
 import sys
 import threading
 import time
 import traceback
-from multiprocessing import AuthenticationError
-from multiprocessing.connection import Connection, Listener
+from multiprocessing.connection import Connection, Listener, answer_challenge, deliver_challenge
+
+from colo_rl.generator.channel import read_deadline
 
 PR_SET_PDEATHSIG = 1
 # For benchmarks/generate_ab.py: COLO_RL_FLAT_LOGPROBS=0 asks vLLM for its list-of-dicts log-probs,
@@ -44,27 +46,69 @@ def _on_sigterm(signum, frame):
     raise Shutdown()
 
 
-def accept_trainer(listener: Listener) -> Connection:
-    """Accept the trainer's connection; refuse every other client (wrong key or second comer)."""
-    first: queue.Queue = queue.Queue(maxsize=1)
+HANDSHAKE_TIMEOUT_S = 10.0  # a local handshake takes milliseconds
+ORPHAN_GRACE_S = 2.0  # after its trainer died: time to shut the engine down before the group is killed
 
-    def serve_accepts():
-        while True:
+
+def accept_trainer(listener: Listener, authkey: bytes, stopping: threading.Event) -> Connection:
+    """The trainer's connection: the first client to complete the authkey handshake. Every other
+    client is refused and logged, whatever it sends (wrong key, garbage, nothing at all, or the
+    right key after the trainer), and none of them stops the accepting or holds it up: each
+    handshake runs in its own thread, with a deadline."""
+    trainer: queue.Queue = queue.Queue(maxsize=1)
+    claim = threading.Lock()
+    claimed = []
+
+    def handshake(conn: Connection, number: int) -> None:
+        try:
+            with read_deadline(conn, HANDSHAKE_TIMEOUT_S):
+                deliver_challenge(conn, authkey)
+                answer_challenge(conn, authkey)
+        except Exception as exc:  # the untrusted side of the socket: anything it sends is refused
+            print(f"colo_rl worker: refused client {number}: {type(exc).__name__}: {exc}", flush=True)
+            conn.close()
+            return
+        with claim:
+            first = not claimed
+            claimed.append(number)
+        if first:
+            trainer.put(conn)
+        else:
+            print(f"colo_rl worker: refused client {number}: a trainer is already connected", flush=True)
+            conn.close()
+
+    def serve_accepts() -> None:
+        number = 0
+        while not stopping.is_set():
             try:
                 conn = listener.accept()
-            except (AuthenticationError, EOFError, ConnectionError) as exc:
-                print(f"colo_rl worker: refused a client: {exc!r}", flush=True)
+            except OSError as exc:
+                if stopping.is_set():
+                    return  # the listener was closed at shutdown
+                print(f"colo_rl worker: accept failed: {exc!r}", flush=True)
+                time.sleep(0.1)
                 continue
-            except OSError:
-                return  # the listener was closed at shutdown
-            if first.empty():
-                first.put(conn)
-            else:
-                print("colo_rl worker: refused a second client", flush=True)
-                conn.close()
+            number += 1
+            threading.Thread(target=handshake, args=(conn, number), name="colo_rl-handshake",
+                             daemon=True).start()
 
     threading.Thread(target=serve_accepts, name="colo_rl-accept", daemon=True).start()
-    return first.get()
+    return trainer.get()
+
+
+def watch_trainer(parent_pid: int, socket_dir: str) -> None:
+    """Ends this worker within seconds of its trainer's death, whatever the engine is doing.
+    PR_SET_PDEATHSIG's SIGTERM shuts the engine down on the normal path, but only once the main
+    thread runs Python again, which a long generate can delay by tens of seconds: this thread
+    removes the authkey's directory at once and kills the process group after a short grace."""
+    while os.getppid() == parent_pid:
+        time.sleep(0.2)
+    shutil.rmtree(socket_dir, ignore_errors=True)
+    print(f"colo_rl worker: trainer {parent_pid} is gone; control socket removed", flush=True)
+    time.sleep(ORPHAN_GRACE_S)
+    print(f"colo_rl worker: still running {ORPHAN_GRACE_S:.0f} s after the trainer died: killing "
+          "the engine's process group", flush=True)
+    os.killpg(os.getpgid(0), signal.SIGKILL)
 
 
 class CollectorOff:
@@ -239,15 +283,23 @@ class EngineServer:
 FAULT_ENV = "COLO_RL_INJECT_FAULT"
 
 
+_FAULT_COUNTS: dict[str, int] = {}
+
+
 def inject_fault(op: str) -> None:
-    """Fault injection for the test suite: with COLO_RL_INJECT_FAULT=OP:SIGNAL[:MARKER], the worker
-    sends itself SIGNAL (a real one: SIGKILL, SIGSTOP, ...) when it receives request OP. With
-    MARKER (a path) it fires once per marker: the fresh engine of a restart runs normally."""
+    """Fault injection for the test suite: with COLO_RL_INJECT_FAULT=OP[@N]:SIGNAL[:MARKER], the
+    worker sends itself SIGNAL (a real one: SIGKILL, SIGSTOP, ...) when it receives request OP
+    (with @N: its Nth OP request, so that earlier steps run). With MARKER (a path) it fires once
+    per marker: the fresh engine of a restart runs normally."""
     spec = os.environ.get(FAULT_ENV)
     if not spec:
         return
     fault_op, signame, *marker = spec.split(":", 2)
+    fault_op, _, nth = fault_op.partition("@")
     if fault_op != op:
+        return
+    _FAULT_COUNTS[op] = _FAULT_COUNTS.get(op, 0) + 1
+    if nth and _FAULT_COUNTS[op] != int(nth):
         return
     if marker:
         try:
@@ -290,20 +342,26 @@ def serve(conn: Connection, server: EngineServer) -> None:
 def main(config_path: str) -> int:
     with open(config_path) as f:
         settings = json.load(f)
+    socket_dir = os.path.dirname(config_path)
     signal.signal(signal.SIGTERM, _on_sigterm)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer decides when to stop
     arm_parent_death_signal(settings["parent_pid"])
-    listener = Listener(settings["socket"], family="AF_UNIX",
-                        authkey=bytes.fromhex(settings["authkey"]))
+    threading.Thread(target=watch_trainer, args=(settings["parent_pid"], socket_dir),
+                     name="colo_rl-watch-trainer", daemon=True).start()
+    # No authkey here: accept_trainer runs the handshake itself, with a deadline
+    listener = Listener(settings["socket"], family="AF_UNIX")
+    stopping = threading.Event()
     server = EngineServer(settings)
     try:
-        serve(accept_trainer(listener), server)
+        serve(accept_trainer(listener, bytes.fromhex(settings["authkey"]), stopping), server)
     except Shutdown:
         print("colo_rl worker: SIGTERM, shutting the engine down", flush=True)
         return 143
     finally:
+        stopping.set()
         server.close()
         listener.close()
+        shutil.rmtree(socket_dir, ignore_errors=True)
     return 0
 
 
