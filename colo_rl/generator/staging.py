@@ -88,25 +88,69 @@ def write_staged_file(tensors: list[tuple[str, torch.Tensor]], staging_dir: str 
     return path, fingerprint(manifest)
 
 
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+           "U8": torch.uint8, "BOOL": torch.bool}
+
+
 def read_staged_file(path: str | os.PathLike, expected_fingerprint: str) -> list[tuple[str, torch.Tensor]]:
     """The file's tensors, after checking the manifest's fingerprint and re-hashing every tensor
-    against the manifest: a file that fails any check is refused before anything is loaded."""
-    from safetensors import safe_open
+    against the manifest: a file that fails any check is refused before anything is loaded.
 
-    with safe_open(str(path), framework="pt") as f:
-        manifest_json = (f.metadata() or {}).get(MANIFEST_KEY)
-        if manifest_json is None:
-            raise StagingError(f"{path} has no colo_rl manifest: it was not written by colo_rl")
-        if fingerprint(manifest_json) != expected_fingerprint:
-            raise StagingError(f"{path}: manifest fingerprint differs from the one the trainer "
-                               "sent; the file was changed after staging and is refused")
-        manifest = json.loads(manifest_json)
-        if set(manifest) != set(f.keys()):
-            raise StagingError(f"{path}: tensors {sorted(set(manifest) ^ set(f.keys()))} are in "
-                               "only one of the file and its manifest; refused")
-        tensors = [(name, f.get_tensor(name)) for name in manifest]
+    The file is read once into private memory, and the tensors returned are views of that
+    memory: the bytes hashed are the bytes loaded, whatever happens to the file afterwards (a
+    memory-mapped or lazily read file would let a change after the check reach the engine).
+    """
+    with open(path, "rb") as f:
+        data = bytearray(os.fstat(f.fileno()).st_size)
+        if f.readinto(data) != len(data):
+            raise StagingError(f"{path} changed size while it was read; refused")
+    header, base = _header(data, path)
+    manifest_json = (header.pop("__metadata__", None) or {}).get(MANIFEST_KEY)
+    if manifest_json is None:
+        raise StagingError(f"{path} has no colo_rl manifest: it was not written by colo_rl")
+    if fingerprint(manifest_json) != expected_fingerprint:
+        raise StagingError(f"{path}: manifest fingerprint differs from the one the trainer "
+                           "sent; the file was changed after staging and is refused")
+    manifest = json.loads(manifest_json)
+    if set(manifest) != set(header):
+        raise StagingError(f"{path}: tensors {sorted(set(manifest) ^ set(header))} are in "
+                           "only one of the file and its manifest; refused")
+    tensors = [(name, _view(data, base, name, header[name], path)) for name in manifest]
     for name, digest in hash_all(tensors).items():
         if digest != manifest[name]:
             raise StagingError(f"{path}: tensor {name} does not match its SHA-256 in the "
                                "manifest; the file is corrupt or was tampered with, refused")
     return tensors
+
+
+def _header(data: bytearray, path) -> tuple[dict, int]:
+    """The safetensors header (JSON after an 8-byte little-endian length) and where data starts."""
+    size = int.from_bytes(data[:8], "little") if len(data) >= 8 else -1
+    try:
+        if not 0 < size <= len(data) - 8:
+            raise ValueError(f"header length {size} in a file of {len(data)} bytes")
+        header = json.loads(bytes(data[8:8 + size]))
+        if not isinstance(header, dict):
+            raise ValueError("the header is not a JSON object")
+    except ValueError as exc:
+        raise StagingError(f"{path} is not a safetensors file ({exc}); refused") from None
+    return header, 8 + size
+
+
+def _view(data: bytearray, base: int, name: str, spec: dict, path) -> torch.Tensor:
+    try:
+        dtype = _DTYPES[spec["dtype"]]
+        shape = [int(d) for d in spec["shape"]]
+        begin, end = (base + int(o) for o in spec["data_offsets"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise StagingError(f"{path}: tensor {name} has an unreadable entry {spec!r} ({exc!r}); refused") from None
+    numel = 1
+    for d in shape:
+        numel *= d
+    if not base <= begin <= end <= len(data) or end - begin != numel * dtype.itemsize:
+        raise StagingError(f"{path}: tensor {name}'s bytes [{begin}, {end}) do not fit its shape "
+                           f"{shape} or the file; refused")
+    if numel == 0:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(data, dtype=dtype, count=numel, offset=begin).view(shape)

@@ -97,3 +97,27 @@ def test_checksum_sees_a_single_changed_word():
     changed[500] = changed[500] + 1
     assert tensor_checksum(t) == tensor_checksum(t.clone())
     assert tensor_checksum(t) != tensor_checksum(changed)
+
+
+def test_the_bytes_returned_are_the_bytes_verified_whatever_happens_to_the_file(tmp_path):
+    """The file is changed in place (same inode) after the check, before the engine copies the
+    tensors into its parameters: what it copies must still be what was verified."""
+    path, fp = write_staged_file(_tensors(), tmp_path)
+    loaded = read_staged_file(path, fp)
+    with open(path, "r+b") as f:  # every data byte after the header
+        f.seek(8 + int.from_bytes(f.read(8), "little"))
+        rest = f.read()
+        f.seek(-len(rest), os.SEEK_CUR)
+        f.write(bytes(b ^ 0xFF for b in rest))
+    for (name, t), (_, original) in zip(loaded, _tensors()):
+        assert torch.equal(t, original), name
+
+
+def test_a_truncated_or_foreign_file_is_refused_naming_it(tmp_path):
+    path, fp = write_staged_file(_tensors(), tmp_path)
+    path.write_bytes(path.read_bytes()[:-7])
+    with pytest.raises(StagingError, match=f"{path}: tensor .* do not fit"):
+        read_staged_file(path, fp)
+    path.write_bytes(b"\xff" * 64)
+    with pytest.raises(StagingError, match=f"{path} is not a safetensors file"):
+        read_staged_file(path, fp)
