@@ -253,6 +253,9 @@ class TaskConfig:
     def __post_init__(self) -> None:
         _one_of("task.kind", self.kind, ("target_char", "copy", "math_jsonl"))
         _check(self.prompt_len >= 1, "task.prompt_len", self.prompt_len, "must be >= 1")
+        if self.kind in ("target_char", "copy"):
+            _check(len(self.alphabet) >= 1, "task.alphabet", self.alphabet,
+                   "must hold at least one character (prompts are drawn from it)")
         if self.kind == "target_char":
             _check(len(self.target) == 1, "task.target", self.target, "must be one character")
         if self.kind == "math_jsonl":
@@ -337,6 +340,12 @@ def validate(cfg: DictConfig | RunConfig) -> RunConfig:
         raise ConfigError("generator.weight_sync=cuda_ipc shares the trainer's GPU tensors but "
                           "trainer.device=cpu: use generator.weight_sync=file")
     _check_precision(settings)
+    for key, requested in (("trainer.device", t.device), ("generator.device", g.device)):
+        if requested == "cuda" and resolve_device("auto") != "cuda":
+            raise ConfigError(f"{key}=cuda, but torch sees no CUDA GPU on this machine: use "
+                              f"{key}=auto (or cpu)")
+    if g.python:
+        check_engine_python(g.python)
     return settings
 
 
@@ -368,6 +377,41 @@ def _check_precision(settings: RunConfig) -> None:
     if t.optimizer == "adamw_8bit" and t.parallel == "fsdp":
         raise ConfigError("trainer.optimizer=adamw_8bit does not take FSDP's sharded parameters: use "
                           "trainer.optimizer=adamw with trainer.parallel=fsdp")
+
+
+ENGINE_MODULES = ("vllm", "torch", "safetensors", "psutil", "hydra", "omegaconf")
+PIP_NAMES = {"hydra": "hydra-core"}
+PROBE_TIMEOUT_S = 30.0
+
+
+def check_engine_python(python: str) -> None:
+    """generator.python must be a Python that can run colo_rl's engine worker: asked, in a few
+    milliseconds, which of the modules the worker imports it cannot find (nothing is imported)."""
+    import json
+    import subprocess
+
+    probe = ("import importlib.util, json; print(json.dumps([m for m in %r "
+             "if importlib.util.find_spec(m) is None]))" % (ENGINE_MODULES,))
+    try:
+        out = subprocess.run([python, "-c", probe], capture_output=True, text=True,
+                             timeout=PROBE_TIMEOUT_S, stdin=subprocess.DEVNULL)
+        missing = json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else None
+    except subprocess.TimeoutExpired:
+        raise ConfigError(f"generator.python={python} did not answer a {PROBE_TIMEOUT_S:.0f} s "
+                          "probe (python -c 'import importlib.util ...'): give the interpreter of "
+                          "the environment that has vllm") from None
+    except (OSError, ValueError, IndexError):
+        missing = None
+    if missing is None:
+        raise ConfigError(f"generator.python={python} is not a Python interpreter that runs "
+                          "`-c CODE`: give the interpreter of the environment that has vllm "
+                          "(e.g. /path/to/venv/bin/python)")
+    if missing:
+        packages = " ".join(PIP_NAMES.get(m, m) for m in missing)
+        raise ConfigError(f"generator.python={python} cannot import {', '.join(missing)}, which "
+                          f"colo_rl's engine worker needs: install them there (`{python} -m pip "
+                          f"install {packages}`), or point generator.python at an environment "
+                          "that has them")
 
 
 def resolve_device(requested: str) -> str:

@@ -140,3 +140,34 @@ def test_composed_config_resolves_to_plain_containers_for_wandb():
     container = OmegaConf.to_container(compose_config(), resolve=True)
     assert container["generator"]["gpu_memory_utilization"] == 0.5
     assert container["model"]["name"] == "tiny"
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the refusal where torch sees no GPU")
+@pytest.mark.parametrize("key", ["trainer.device", "generator.device"])
+def test_cuda_on_a_machine_without_cuda_is_refused_naming_the_key(key):
+    with pytest.raises(ConfigError, match=rf"{key}=cuda, but torch sees no CUDA GPU on this machine: "
+                                          rf"use {key}=auto"):
+        validate(compose_config(f"{key}=cuda", "generator.weight_sync=file"))
+
+
+@pytest.mark.parametrize("task", ["target_char", "copy"])
+def test_an_empty_alphabet_is_refused_naming_the_key(task):
+    with pytest.raises(ConfigError, match=r"task.alphabet='' must hold at least one character"):
+        validate(compose_config(f"task={task}", "task.alphabet="))
+
+
+def test_a_generator_python_without_the_workers_dependencies_is_refused_saying_what_to_install(tmp_path):
+    """A real interpreter without vllm (a fresh venv), and a program that is no Python at all."""
+    import subprocess
+    import sys
+
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "venv")], check=True)
+    bare = tmp_path / "venv" / "bin" / "python"
+    with pytest.raises(ConfigError, match=rf"generator.python={bare} cannot import vllm, torch, "
+                                          rf"safetensors, psutil, hydra, omegaconf, which colo_rl's "
+                                          rf"engine worker needs: install them there \(`{bare} -m pip "
+                                          r"install vllm torch safetensors psutil hydra-core omegaconf`\)"):
+        validate(compose_config(f"generator.python={bare}"))
+    with pytest.raises(ConfigError, match="generator.python=/bin/true is not a Python interpreter"):
+        validate(compose_config("generator.python=/bin/true"))
+    validate(compose_config(f"generator.python={sys.executable}"))
