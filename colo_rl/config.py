@@ -178,6 +178,10 @@ class TrainerConfig:
     # Truncated importance sampling (TRL's vllm_importance_sampling_correction, verl's TIS): each
     # token's loss times min(exp(trainer - engine log-prob), tis_cap); null: off
     tis_cap: Optional[float] = None
+    # lr of step k (as transformers' get_*_schedule_with_warmup): linear warmup from 0 over
+    # warmup_steps, then constant, or linear / cosine decay to 0 at trainer.steps
+    lr_schedule: str = "constant"  # constant | linear | cosine
+    warmup_steps: int = 0
     kl_coef: float = 0.0  # >0 keeps a frozen reference policy and adds a k3 KL penalty
     # auto: `mixed` when model.dtype is bfloat16 or float16, else `pure`. mixed: fp32 master
     # weights and optimizer state, forward/backward autocast to model.dtype on a GPU (fp32 compute
@@ -227,6 +231,9 @@ class TrainerConfig:
                self.clip_eps_high, "must be null (= trainer.clip_eps) or > 0")
         _check(self.tis_cap is None or self.tis_cap > 0, "trainer.tis_cap", self.tis_cap,
                "must be null (off) or > 0 (e.g. 2.0)")
+        _one_of("trainer.lr_schedule", self.lr_schedule, ("constant", "linear", "cosine"))
+        _check(0 <= self.warmup_steps < self.steps, "trainer.warmup_steps", self.warmup_steps,
+               f"must be in [0, trainer.steps={self.steps}) (the lr reaches trainer.lr after them)")
         _check(self.kl_coef >= 0, "trainer.kl_coef", self.kl_coef, "must be >= 0")
         _check(self.checkpoint_every >= 0, "trainer.checkpoint_every", self.checkpoint_every, "must be >= 0")
         _check(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "trainer.betas",

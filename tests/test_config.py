@@ -73,6 +73,9 @@ def test_wrong_type_fails_at_compose_naming_the_key():
     ("trainer.advantage_std=sample", "trainer.advantage_std='sample' must be one of unbiased, population"),
     ("trainer.clip_eps_high=-0.1", "trainer.clip_eps_high=-0.1 must be null"),
     ("trainer.tis_cap=0", "trainer.tis_cap=0.0 must be null .off. or > 0"),
+    ("trainer.lr_schedule=step", "trainer.lr_schedule='step' must be one of constant, linear, cosine"),
+    ("trainer.warmup_steps=-1", "trainer.warmup_steps=-1 must be in [[]0, trainer.steps=30[)]"),
+    ("trainer.warmup_steps=30", "trainer.warmup_steps=30 must be in [[]0, trainer.steps=30[)]"),
 ])
 def test_grpo_numerics_keys_out_of_range_fail_in_validate_naming_the_key(override, key):
     with pytest.raises(ConfigError, match=key.replace("(", r"\(")):

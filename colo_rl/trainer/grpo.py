@@ -8,6 +8,7 @@ exp(logp - old) and the engine-vs-trainer log-prob gap compare like with like.
 from __future__ import annotations
 
 import copy
+import math
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Optional
@@ -46,6 +47,22 @@ def group_advantages(rewards: torch.Tensor, group_size: int, norm: str, eps: flo
         advantages = advantages / (spread + eps)
     dtype = rewards.dtype if rewards.is_floating_point() else torch.get_default_dtype()
     return torch.where(constant, 0.0, advantages).to(dtype).reshape(-1)
+
+
+def scheduled_lr(lr: float, step: int, *, schedule: str, warmup_steps: int, total_steps: int) -> float:
+    """The learning rate of step `step` (0-based): transformers' get_constant_schedule_with_warmup,
+    get_linear_schedule_with_warmup and get_cosine_schedule_with_warmup (half a cosine), with
+    their arithmetic, so that a run's lr sequence is theirs to the bit."""
+    if step < warmup_steps:
+        return lr * (float(step) / float(max(1, warmup_steps)))
+    if schedule == "constant":
+        return lr
+    if schedule == "linear":
+        return lr * max(0.0, float(total_steps - step) / float(max(1, total_steps - warmup_steps)))
+    if schedule == "cosine":
+        progress = float(step - warmup_steps) / float(max(1, total_steps - warmup_steps))
+        return lr * max(0.0, 0.5 * (1.0 + math.cos(math.pi * 0.5 * 2.0 * progress)))
+    raise ValueError(f"lr schedule={schedule!r} must be constant, linear or cosine (trainer.lr_schedule)")
 
 
 def loss_normalizer(lengths: torch.Tensor, loss_agg: str, max_tokens: int) -> float:
@@ -224,6 +241,7 @@ class GRPOTrainer:
         if self.cfg.tis_cap is not None and engine_logprobs is None:
             raise ValueError(f"trainer.tis_cap={self.cfg.tis_cap} needs the engine's sampled log-probs: "
                              "pass engine_logprobs (sampling.logprobs=true) or set trainer.tis_cap=null")
+        lr = self._set_lr()
         advantages = group_advantages(torch.tensor(rewards, dtype=torch.float64), group_size,
                                       self.cfg.advantage_norm, std=self.cfg.advantage_std)
         micro = self._micro_batches([p for p in prompt_ids for _ in range(group_size)],
@@ -241,6 +259,7 @@ class GRPOTrainer:
                 totals[key] += stats[key] / self.cfg.updates_per_batch
         self.step_count += 1
         metrics = {f"train/{key}": value for key, value in totals.items()}
+        metrics["train/lr"] = lr
         metrics["train/response_tokens"] = float(lengths.sum())
         metrics["train/advantage_abs_mean"] = float(advantages.abs().mean())
         if engine_logprobs is not None:
@@ -248,6 +267,18 @@ class GRPOTrainer:
         if self.cfg.tis_cap is not None:
             metrics.update(_tis_stats(micro, old, self.cfg.tis_cap))
         return metrics
+
+    def _set_lr(self) -> float:
+        """Puts this step's scheduled lr on every param group. It follows from step_count alone, so a
+        resumed run continues the schedule exactly without any scheduler state to checkpoint."""
+        lr = scheduled_lr(self.cfg.lr, self.step_count, schedule=self.cfg.lr_schedule,
+                          warmup_steps=self.cfg.warmup_steps, total_steps=self.cfg.steps)
+        for group in self.optimizer.param_groups:
+            if isinstance(group["lr"], torch.Tensor):  # torchao's optimizers keep it as a tensor
+                group["lr"].fill_(lr)
+            else:
+                group["lr"] = lr
+        return lr
 
     def _global_normalizer(self, lengths: torch.Tensor) -> float:
         """The loss denominator of the global batch, over the world size: each rank's gradient

@@ -8,6 +8,7 @@ import torch
 from colo_rl.config import ModelConfig, TrainerConfig
 from colo_rl.models import load_policy, write_embedded_model
 from colo_rl.trainer import GRPOTrainer, group_advantages, grpo_loss, loss_normalizer
+from colo_rl.trainer.grpo import scheduled_lr
 
 PROMPTS = [[5, 6, 7], [8, 9]]
 GROUP = 3
@@ -246,7 +247,7 @@ def test_identical_steps_from_identical_state_give_bit_identical_parameters(mode
 def test_metrics_and_empty_completions(model_dir):
     trainer = make_trainer(model_dir)
     metrics = trainer.train_step(PROMPTS, COMPLETIONS, REWARDS, GROUP)
-    assert set(metrics) == {"train/loss", "train/grad_norm", "train/clip_frac", "train/kl",
+    assert set(metrics) == {"train/loss", "train/grad_norm", "train/clip_frac", "train/kl", "train/lr",
                             "train/response_tokens", "train/advantage_abs_mean"}
     assert metrics["train/response_tokens"] == 12.0
     assert metrics["train/grad_norm"] > 0 and metrics["train/kl"] == 0.0
@@ -263,6 +264,55 @@ def test_train_step_refuses_mismatched_batches(model_dir):
     with pytest.raises(ValueError, match=r"engine_logprobs\[0\] has 1 values for 3"):
         trainer.train_step(PROMPTS, COMPLETIONS, REWARDS, GROUP, engine_logprobs=[[0.0]] * 6)
     assert trainer.step_count == 0
+
+
+SCHEDULES = {"constant": "get_constant_schedule_with_warmup", "linear": "get_linear_schedule_with_warmup",
+             "cosine": "get_cosine_schedule_with_warmup"}
+
+
+def _transformers_lrs(schedule: str, lr: float, warmup_steps: int, steps: int) -> list[float]:
+    """The lr of each optimizer step under transformers' scheduler, stepped after each step as its
+    Trainer (and TRL's) does."""
+    import transformers
+
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr)
+    make = getattr(transformers, SCHEDULES[schedule])
+    scheduler = make(optimizer, warmup_steps, steps) if schedule != "constant" else make(optimizer, warmup_steps)
+    lrs = []
+    for _ in range(steps):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    return lrs
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+@pytest.mark.parametrize("warmup", [0, 3])
+def test_scheduled_lr_is_transformers_schedule_to_the_bit(schedule, warmup):
+    lrs = [scheduled_lr(3e-6, k, schedule=schedule, warmup_steps=warmup, total_steps=10) for k in range(10)]
+    assert lrs == _transformers_lrs(schedule, 3e-6, warmup, 10)
+
+
+def test_the_trainer_steps_at_the_cosine_schedules_lr_and_resume_continues_it(model_dir):
+    steps, warmup, lr = 6, 2, 0.01
+    config = dict(lr=lr, steps=steps, warmup_steps=warmup, lr_schedule="cosine", micro_batch_size=6)
+    trainer = make_trainer(model_dir, **config)
+    before = params(trainer)
+    lrs = []
+    for step in range(steps):
+        lrs.append(trainer.train_step(PROMPTS, COMPLETIONS, REWARDS, GROUP)["train/lr"])
+        assert all(g["lr"] == lrs[-1] for g in trainer.optimizer.param_groups)
+        if step == 0:  # warmup starts at lr 0: the first step must not move the policy
+            assert all(torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())
+    assert lrs == _transformers_lrs("cosine", lr, warmup, steps)
+    assert lrs[warmup] == lr and lrs[-1] < lr / 5
+
+    interrupted, resumed = make_trainer(model_dir, **config), make_trainer(model_dir, **config)
+    for _ in range(3):
+        interrupted.train_step(PROMPTS, COMPLETIONS, REWARDS, GROUP)
+    resumed.load_state_dict(interrupted.state_dict())
+    assert [resumed.train_step(PROMPTS, COMPLETIONS, REWARDS, GROUP)["train/lr"]
+            for _ in range(3, steps)] == lrs[3:]
 
 
 def _reference_logprobs(model, temperature):
