@@ -12,10 +12,11 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, MissingMandatoryValue, OmegaConf
 
 
 class ConfigError(ValueError):
@@ -76,6 +77,10 @@ class ModelConfig:
     def __post_init__(self) -> None:
         _one_of("model.source", self.source, ("embedded", "hf"))
         _one_of("model.dtype", self.dtype, ("float32", "bfloat16", "float16"))
+        if self.path and self.source == "embedded":
+            # Whoever names a model directory means to train it, not the built-in random model;
+            # the runner says so in its log (run.train).
+            self.source = "hf"
         if self.source == "hf":
             _check(bool(self.path), "model.path", self.path,
                    "must name a Hugging Face model id or a local directory when model.source=hf")
@@ -299,11 +304,23 @@ class RunConfig:
     task: TaskConfig = field(default_factory=TaskConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     output_dir: Optional[str] = None  # default: Hydra's runtime.output_dir
+    debug: bool = False  # true: input errors show their traceback too (colo_rl.cli)
+
+
+def package_dir(name: str) -> Path:
+    """`conf` or `experiments`: inside the installed package (a wheel ships them as colo_rl/conf
+    and colo_rl/experiments), else at the top of the source tree, beside colo_rl/."""
+    package = Path(__file__).resolve().parent
+    inside = package / name
+    return inside if inside.is_dir() else package.parent / name
 
 
 def register_configs() -> None:
-    """Put the schema into Hydra's ConfigStore (idempotent)."""
+    """Put the schema into Hydra's ConfigStore and the `colo_rl.dir` resolver (which
+    conf/run.yaml's search path uses) into OmegaConf (idempotent)."""
     ConfigStore.instance().store(name="colo_rl_schema", node=RunConfig)
+    if not OmegaConf.has_resolver("colo_rl.dir"):
+        OmegaConf.register_new_resolver("colo_rl.dir", lambda name: package_dir(name).as_uri())
 
 
 def validate(cfg: DictConfig | RunConfig) -> RunConfig:
@@ -318,6 +335,9 @@ def validate(cfg: DictConfig | RunConfig) -> RunConfig:
             settings = OmegaConf.to_object(cfg)
         except ConfigError:
             raise
+        except MissingMandatoryValue as exc:
+            raise ConfigError(f"{exc.full_key}: has no value (??? in its YAML) and must be set: "
+                              f"add {exc.full_key}=VALUE to the command line") from None
         except Exception as exc:  # omegaconf wraps __post_init__ errors; unwrap ours
             cause = exc.__cause__ or exc.__context__
             if isinstance(cause, ConfigError):

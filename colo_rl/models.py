@@ -64,27 +64,42 @@ def write_embedded_model(cfg: ModelConfig, directory: str | os.PathLike) -> Path
     return path
 
 
+def _looks_like_a_path(path: str) -> bool:
+    """A Hugging Face id is `name` or `org/name`; anything else the user meant as a directory."""
+    return (os.path.isabs(path) or path.startswith(("./", "../", "~")) or path.count("/") > 1
+            or os.sep != "/" and os.sep in path)
+
+
 def resolve_hf_model(cfg: ModelConfig) -> Path:
     """The local directory of `cfg.path`: the directory itself or its snapshot in the HF cache.
 
     Never downloads; a model that is not here stops the run with one message saying what to do.
     """
-    if os.path.isdir(cfg.path):
-        if not os.path.isfile(os.path.join(cfg.path, "config.json")):
-            raise ModelNotAvailableError(f"model.path={cfg.path} is a directory without config.json: "
-                                         "point it at a Hugging Face model directory")
-        return Path(cfg.path)
+    path = os.path.expanduser(cfg.path)
+    if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise ModelNotAvailableError(f"model.path={cfg.path}: the directory has no config.json. "
+                                         "Point it at a Hugging Face model directory")
+        return Path(path)
+    if _looks_like_a_path(cfg.path):
+        raise ModelNotAvailableError(f"model.path={cfg.path}: the directory does not exist. Point it "
+                                     "at a local Hugging Face model directory, or give a hub id "
+                                     "(org/name) that is in the local cache")
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 
     try:
         return Path(snapshot_download(cfg.path, local_files_only=True))
+    except HFValidationError as exc:
+        raise ModelNotAvailableError(f"model.path={cfg.path}: neither a local directory nor a "
+                                     f"Hugging Face id ({exc}). Give a model directory or an "
+                                     "org/name id") from exc
     except (LocalEntryNotFoundError, FileNotFoundError, OSError) as exc:
         from huggingface_hub.constants import HF_HUB_CACHE
 
         raise ModelNotAvailableError(
             f"model.path={cfg.path} is not in the local Hugging Face cache ({HF_HUB_CACHE}). "
-            f"Make it available with `huggingface-cli download {cfg.path}` on a machine with hub "
+            f"Make it available with `hf download {cfg.path}` on a machine with hub "
             f"access (then copy the cache or set HF_HOME), or set model.path to a local model "
             f"directory. Nothing was started."
         ) from exc

@@ -24,8 +24,9 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from colo_rl.config import (ConfigError, RunConfig, register_configs, resolve_device, trainer_dtype,
-                            trainer_precision, validate)
+from colo_rl.cli import boundary, run_cli
+from colo_rl.config import (ConfigError, RunConfig, package_dir, register_configs, resolve_device,
+                            trainer_dtype, trainer_precision, validate)
 from colo_rl.generator import GeneratorError, VLLMGenerator
 from colo_rl.metrics import MetricsLogger, print_summary
 from colo_rl.models import DTYPES, load_policy, load_tokenizer, prepare_model_dir
@@ -142,6 +143,9 @@ def train(cfg: DictConfig, generator: VLLMGenerator | None = None) -> RunResult:
     """The whole run. `generator`: an already started engine for the same model (tests share
     one); by default the run starts and closes its own."""
     settings = validate(cfg)
+    if settings.model.source != cfg.model.source:
+        log.warning("model.path=%s is set, so model.source=hf: training that model, not the "
+                    "embedded one", settings.model.path)
     hydra_dir, group, name = _hydra_run_info()
     output_dir = Path(settings.output_dir) if settings.output_dir else hydra_dir
     if output_dir is None:
@@ -391,9 +395,15 @@ def train_one_step(step: int, settings: RunConfig, task, rng: random.Random, tok
         done.update(step=step + 1, task_rng=rng.getstate())
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="run")
-def main(cfg: DictConfig) -> float:
-    return run(cfg)
+@hydra.main(version_base="1.3", config_path=str(package_dir("conf")), config_name="run")
+def _hydra_main(cfg: DictConfig) -> float:
+    with boundary(debug=bool(cfg.get("debug"))):
+        return run(cfg)
+
+
+def main() -> None:
+    """`python -m colo_rl.run [overrides]`: input errors end as one `colo_rl: error:` line."""
+    run_cli(_hydra_main)
 
 
 if __name__ == "__main__":

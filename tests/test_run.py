@@ -74,7 +74,7 @@ def test_the_tiny_smoke_experiment_runs_with_an_offline_wandb_run(tmp_path, engi
 def test_missing_hub_model_stops_before_any_engine_naming_it(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ModelNotAvailableError, match="allenai/OLMo-2-0425-1B is not in the local "
-                                                     "Hugging Face cache.*huggingface-cli download"):
+                                                     "Hugging Face cache.*`hf download"):
         train(compose_config(*small_run_overrides(tmp_path, "model=olmo2", "sampling=greedy", "sampling.n=1")))
     assert not (tmp_path / "engine.log").exists()
 

@@ -1,0 +1,162 @@
+"""The command-line boundary: input errors end as one `colo_rl: error:` block and exit code 2.
+
+An error caused by input (a config key, a file, a model or data set that is not here, a package
+that is not installed) is the user's to fix, so a traceback only hides the one line that says
+what to do. Everything else is a bug in colo_rl and keeps its full traceback. `HYDRA_FULL_ERROR=1`
+or `debug=true` shows the traceback of input errors too.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import traceback
+from collections.abc import Callable, Sequence
+from contextlib import contextmanager
+from typing import Any, NoReturn
+
+from colo_rl.config import ConfigError
+
+EXIT_INPUT_ERROR = 2  # what argparse uses for a bad command line
+_TRUE = {"true", "yes", "on", "1"}
+# Hydra's messages carry OmegaConf's object dump; the key is already in ours.
+_NOISE = re.compile(r"^\s*(full_key|reference_type|object_type)\s*[:=]")
+
+
+# Read once at import: run_cli sets the variable itself while Hydra runs.
+_FULL_ERROR = os.environ.get("HYDRA_FULL_ERROR", "") == "1"
+
+
+def debug_requested(argv: Sequence[str]) -> bool:
+    """`HYDRA_FULL_ERROR=1` in the user's environment or `debug=true` among the overrides: show
+    tracebacks. Read from the command line because composition itself may be what failed."""
+    if _FULL_ERROR:
+        return True
+    for arg in argv:
+        key, _, value = arg.lstrip("+~").partition("=")
+        if key == "debug" and value.strip().lower() in _TRUE:
+            return True
+    return False
+
+
+def input_error_message(exc: BaseException) -> str | None:
+    """The `<key or file>: <what is wrong>. <what to do>` text of an input error, or None when
+    `exc` is not one (a bug, which keeps its traceback)."""
+    if isinstance(exc, ConfigError):
+        return str(exc)
+    if isinstance(exc, ModuleNotFoundError) and exc.name and exc.name.split(".")[0] != "colo_rl":
+        top = exc.name.split(".")[0]
+        return (f"{top}: the package is not installed in {sys.executable}'s environment. Install "
+                f"it (pip install {top}, or the colo_rl extra that needs it, see README.md)")
+    from hydra.errors import (ConfigCompositionException, MissingConfigException,
+                              OverrideParseException, SearchPathException)
+
+    if isinstance(exc, MissingConfigException):
+        return _missing_config_message(exc)
+    if isinstance(exc, OverrideParseException):
+        first, *rest = _lines(exc)
+        key = _quoted(first) or "command line"
+        detail = f" ({rest[0]})" if rest else ""
+        return (f"{key}: cannot parse this override{detail}. Write overrides as key=value "
+                "(grammar: https://hydra.cc/docs/advanced/override_grammar/basic/)")
+    if isinstance(exc, (ConfigCompositionException, SearchPathException)):
+        return _composition_message(exc)
+    return None
+
+
+def _lines(exc: BaseException) -> list[str]:
+    text = str(exc)
+    cause = exc.__cause__
+    if cause is not None and str(cause) and str(cause) not in text:
+        text += "\n" + str(cause)
+    return [line.strip() for line in text.splitlines() if line.strip() and not _NOISE.match(line)]
+
+
+def _quoted(line: str) -> str | None:
+    match = re.search(r"'([^']+)'", line)
+    return match.group(1) if match else None
+
+
+def _full_key(exc: BaseException) -> str | None:
+    for candidate in (exc, exc.__cause__):
+        key = getattr(candidate, "full_key", None)
+        if key:
+            return str(key)
+    return None
+
+
+def _composition_message(exc: BaseException) -> str:
+    lines = _lines(exc)
+    first = lines[0] if lines else type(exc).__name__
+    override = re.match(r"Could not override '([^']+)'", first)
+    if override:
+        key = override.group(1)
+        why = next((line for line in lines[1:] if not line.startswith("To append")), "")
+        return (f"{key}: no such key ({why.rstrip('.')}). Check its spelling against "
+                f"`python -m colo_rl.run --cfg job`; a key of your own is added with +{key}=VALUE")
+    merging = re.match(r"Error merging override (\S+)", first)
+    if merging:
+        key = _full_key(exc) or merging.group(1).split("=")[0]
+        why = "; ".join(lines[1:]) or first
+        return f"{key}: {why.rstrip('.')}. Give a value of the type the key takes (see conf/)"
+    key = _full_key(exc) or _quoted(first) or "config"
+    return f"{key}: {'; '.join(lines).rstrip('.')}. Fix the config or the override"
+
+
+def _missing_config_message(exc: BaseException) -> str:
+    # e.g. "In 'run': Could not find 'model/olmo3'" plus "Available options in 'model':" + a list
+    lines = _lines(exc)
+    missing = next((_quoted(line.split(":", 1)[1]) for line in lines
+                    if "Could not find" in line and ":" in line), None) or _quoted(lines[0]) or "config"
+    group, _, option = missing.rpartition("/")
+    options = [line for line in lines if "/" not in line and ":" not in line and " " not in line]
+    if group:
+        choices = f"one of {', '.join(options)}" if options else "an existing option"
+        return (f"{group}={option}: there is no config {missing}.yaml in the config search path. "
+                f"Choose {choices}, or add your own directory with --config-dir DIR "
+                f"(README.md: Configuration)")
+    return f"{missing}: config not found. Check the name, or add its directory with --config-dir DIR"
+
+
+def report_input_error(message: str) -> None:
+    print(f"colo_rl: error: {message}", file=sys.stderr, flush=True)
+
+
+def exit_for(exc: BaseException, debug: bool) -> NoReturn:
+    """Input errors: the one block (after the traceback with `debug`), exit code 2. Anything
+    else is a bug: re-raised with its traceback."""
+    message = input_error_message(exc)
+    if message is None:
+        raise exc
+    if debug:
+        traceback.print_exception(exc)
+    report_input_error(message)
+    raise SystemExit(EXIT_INPUT_ERROR)
+
+
+@contextmanager
+def boundary(debug: bool = False):
+    """Inside a Hydra job: an input error exits here, before Hydra adds its own report
+    ("Error executing job with overrides"), and `debug` may come from the composed config."""
+    try:
+        yield
+    except Exception as exc:  # noqa: BLE001 - sorts input errors from bugs, re-raises bugs
+        exit_for(exc, debug or debug_requested(sys.argv[1:]))
+
+
+def run_cli(entry: Callable[[], Any], argv: Sequence[str] | None = None) -> Any:
+    """Run `entry` (a Hydra main or an argparse main) at the command-line boundary."""
+    argv = sys.argv[1:] if argv is None else argv
+    # Hydra prints its own trimmed traceback for an error in composition unless
+    # HYDRA_FULL_ERROR=1, in which case it re-raises: set it so that the error reaches us.
+    previous = os.environ.get("HYDRA_FULL_ERROR")
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    try:
+        with boundary(debug_requested(argv)):
+            return entry()
+    finally:
+        if previous is None:
+            os.environ.pop("HYDRA_FULL_ERROR", None)
+        else:
+            os.environ["HYDRA_FULL_ERROR"] = previous

@@ -1,0 +1,120 @@
+"""The command-line boundary, run as a user runs it: `python -m colo_rl.run ...` in a real
+subprocess from outside the repository. Every wrong input ends in one `colo_rl: error:` block
+naming the key, exit code 2, no traceback, within seconds, and no engine started."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from colo_rl.cli import input_error_message
+from colo_rl.config import validate
+
+from .conftest import ROOT, compose_config
+
+# The issue's wrong inputs, one subprocess each: (overrides, what the one error line must contain)
+BAD_INPUTS = {
+    "missing_task_path": (["task=gsm8k"], "task.path"),
+    "model_not_in_cache": (["model=olmo2", "sampling=greedy"], "model.path=allenai/OLMo-2-0425-1B is "
+                                                             "not in the local Hugging Face cache"),
+    "path_without_source_hf": (["model.path=/no/such/model"], "model.path=/no/such/model: the "
+                                                              "directory does not exist"),
+    "missing_absolute_path": (["model.source=hf", "model.path=/no/such/model"],
+                              "model.path=/no/such/model: the directory does not exist"),
+    "unknown_key": (["trainer.lrr=1"], "trainer.lrr: no such key"),
+    "in_a_multirun": (["-m", "trainer.lr=-1,1e-3"], "trainer.lr=-1.0 must be > 0"),
+}
+# Hydra's other composition errors, composed for real in this process (the same exceptions
+# the subprocess gets; a subprocess each would cost 5 s of importing torch).
+COMPOSE_ERRORS = {
+    "wrong_type": (["trainer.lr=fast"], "trainer.lr: Value 'fast' of type 'str' could not be converted"),
+    "unparsable_override": (["trainer.lr=="], "trainer.lr==: cannot parse this override"),
+    "unknown_group_option": (["model=olmo3"], "model=olmo3: there is no config model/olmo3.yaml in "
+                                              "the config search path. Choose one of olmo2, "),
+    "unknown_experiment": (["experiment=nope"], "experiment=nope: there is no config experiment/nope.yaml"),
+    "missing_value": (["trainer.lr=???"], "trainer.lr: has no value (??? in its YAML) and must be set"),
+}
+
+
+@pytest.mark.parametrize("name", COMPOSE_ERRORS)
+def test_hydra_composition_errors_become_one_line_naming_the_key(name):
+    overrides, expected = COMPOSE_ERRORS[name]
+    with pytest.raises(Exception) as info:
+        validate(compose_config(*overrides))
+    message = input_error_message(info.value)
+    assert message is not None and expected in message, message
+    assert "\n" not in message and "full_key" not in message
+
+
+def python(*args: str, cwd: Path, env: dict | None = None) -> subprocess.Popen:
+    full_env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    full_env.update(PYTHONPATH=str(ROOT), WANDB_MODE="offline", **(env or {}))
+    return subprocess.Popen([sys.executable, *args], cwd=cwd, env=full_env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def cli(*args: str, cwd: Path, env: dict | None = None) -> subprocess.Popen:
+    return python("-m", "colo_rl.run", *args, cwd=cwd, env=env)
+
+
+@pytest.fixture()
+def engine_marker(tmp_path) -> tuple[Path, str]:
+    """A generator.python that leaves a file behind if anything tries to start an engine."""
+    marker = tmp_path / "engine_started"
+    python = tmp_path / "python"
+    python.write_text(f"#!/bin/sh\ntouch {marker}\nexec {sys.executable} \"$@\"\n")
+    python.chmod(0o755)
+    return marker, f"generator.python={python}"
+
+
+def test_each_bad_input_is_one_error_line_exit_2_without_traceback_or_engine(tmp_path, engine_marker):
+    marker, python = engine_marker
+    # an empty Hugging Face cache, offline: the hub model is certainly not here
+    env = {"HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_OFFLINE": "1"}
+    for name, (args, expected) in BAD_INPUTS.items():
+        started = time.monotonic()
+        proc = cli(*args, python, f"output_dir={tmp_path / name}", f"hydra.sweep.dir={tmp_path / name}",
+                   "logger=none", cwd=tmp_path, env=env)
+        out, err = proc.communicate(timeout=120)
+        seconds = time.monotonic() - started
+        assert proc.returncode == 2, (name, out[-2000:], err[-2000:])
+        assert "Traceback" not in out + err, (name, err)
+        errors = [line for line in err.splitlines() if line.startswith("colo_rl: error: ")]
+        assert len(errors) == 1 and expected in errors[0], (name, err)
+        assert "Error executing job" not in err, (name, err)
+        assert seconds < 30, (name, seconds)  # 4-5 s on 2 cores, nearly all of it importing torch
+    assert not marker.exists()
+    assert not list(tmp_path.glob("*/engine*.log"))
+
+
+def test_debug_or_hydra_full_error_shows_the_traceback_of_an_input_error(tmp_path):
+    for args, env in ((["debug=true"], {}), ([], {"HYDRA_FULL_ERROR": "1"})):
+        proc = cli("trainer.lr=-1", *args, f"output_dir={tmp_path}", "logger=none", cwd=tmp_path,
+                   env=env)
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 2, err
+        assert "Traceback" in err and "colo_rl: error: trainer.lr=-1.0 must be > 0" in err, err
+
+
+def test_an_internal_error_keeps_its_traceback(tmp_path):
+    proc = python("-c", "import colo_rl.cli as c; c.run_cli(lambda: 1 / 0)", cwd=tmp_path)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1 and "Traceback" in err and "ZeroDivisionError" in err, err
+    assert "colo_rl: error" not in err
+
+
+def test_a_missing_package_is_an_input_error_and_colo_rls_own_is_a_bug():
+    message = input_error_message(ModuleNotFoundError("No module named 'math_verify'", name="math_verify"))
+    assert message.startswith("math_verify: the package is not installed") and "pip install" in message
+    assert input_error_message(ModuleNotFoundError("x", name="colo_rl.nothing")) is None
+
+
+def test_a_model_path_without_source_hf_trains_that_model(tmp_path):
+    """The embedded model never reads model.path: naming a directory means training it."""
+    settings = validate(compose_config(f"model.path={tmp_path}"))
+    assert settings.model.source == "hf" and settings.model.path == str(tmp_path)
