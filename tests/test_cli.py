@@ -67,7 +67,10 @@ def engine_marker(tmp_path) -> tuple[Path, str]:
     """A generator.python that leaves a file behind if anything tries to start an engine."""
     marker = tmp_path / "engine_started"
     python = tmp_path / "python"
-    python.write_text(f"#!/bin/sh\ntouch {marker}\nexec {sys.executable} \"$@\"\n")
+    # validate() runs this interpreter once to probe for the worker's modules: only the worker
+    # itself counts
+    python.write_text(f"#!/bin/sh\ncase \"$*\" in *colo_rl.generator.worker*) touch {marker};; esac\n"
+                      f"exec {sys.executable} \"$@\"\n")
     python.chmod(0o755)
     return marker, f"generator.python={python}"
 
