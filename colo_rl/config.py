@@ -159,6 +159,25 @@ OPTIMIZERS = tuple(OPTIMIZER_PACKAGES)
 
 
 @dataclass
+class LoraConfig:
+    """LoRA adapters (peft) on the policy's linear layers; rank 0 trains every weight instead."""
+
+    rank: int = 0  # 0: full fine-tuning
+    # The update is (alpha / rank) * B @ A. A fixed alpha (not one that grows with the rank) keeps
+    # the best learning rate about the same across ranks, as in "LoRA Without Regret" (alpha 32).
+    alpha: float = 32.0
+    dropout: float = 0.0  # on the adapter's input while training; the engine never sees it
+    # Names (or dotted suffixes) of linear modules; empty: every linear layer of the decoder, not
+    # the output head. A name that matches no linear layer is refused with the model's list.
+    target_modules: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        _check(self.rank >= 0, "trainer.lora.rank", self.rank, "must be >= 0 (0: full fine-tuning)")
+        _check(self.alpha > 0, "trainer.lora.alpha", self.alpha, "must be > 0")
+        _check(0 <= self.dropout < 1, "trainer.lora.dropout", self.dropout, "must be in [0, 1)")
+
+
+@dataclass
 class TrainerConfig:
     """GRPO: algorithm, optimisation and where the trainer state lives between phases."""
 
@@ -208,6 +227,7 @@ class TrainerConfig:
     checkpoint_every: int = 0  # steps; 0: only at the end and on interruption
     resume: Optional[str] = None  # a checkpoint directory written by an earlier run
     parallel: str = "none"  # none | ddp | fsdp: data parallel over torchrun's ranks (one GPU each)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     def __post_init__(self) -> None:
         _one_of("trainer.algorithm", self.algorithm, ("grpo",))
@@ -226,6 +246,9 @@ class TrainerConfig:
                    "must be 0 with trainer.parallel=fsdp (no sharded reference model yet)")
             _check(self.resume is None, "trainer.resume", self.resume,
                    "is not supported with trainer.parallel=fsdp yet: resume with trainer.parallel=ddp")
+            _check(self.lora.rank == 0, "trainer.lora.rank", self.lora.rank,
+                   "must be 0 with trainer.parallel=fsdp (the merged push does not gather sharded "
+                   "adapters yet): use trainer.parallel=ddp with LoRA")
         for key in ("steps", "prompts_per_step", "micro_batch_size", "updates_per_batch"):
             _check(getattr(self, key) >= 1, f"trainer.{key}", getattr(self, key), "must be >= 1")
         _check(self.lr > 0, "trainer.lr", self.lr, "must be > 0")

@@ -28,6 +28,7 @@ from colo_rl.cli import boundary, run_cli
 from colo_rl.config import (ConfigError, RunConfig, package_dir, register_configs, resolve_device,
                             trainer_dtype, trainer_precision, validate)
 from colo_rl.generator import GeneratorError, VLLMGenerator
+from colo_rl.lora import apply_lora
 from colo_rl.metrics import MetricsLogger, print_summary
 from colo_rl.models import DTYPES, load_policy, load_tokenizer, prepare_model_dir
 from colo_rl.parallel import Parallel, reduce_step_metrics
@@ -175,7 +176,12 @@ def _train(cfg: DictConfig, settings: RunConfig, generator: VLLMGenerator | None
     task = make_task(settings.task)
     rng = random.Random(settings.task.seed)
     torch.manual_seed(t.seed)
-    policy = load_policy(settings.model, model_dir, device, dtype=trainer_dtype(settings))
+    if t.lora.rank:  # frozen base weights stay in model.dtype; the adapters get trainer_dtype
+        policy = load_policy(settings.model, model_dir, device)
+        # a wrong target module is refused here, before the engine starts
+        policy = apply_lora(policy, t.lora, adapter_dtype=DTYPES[trainer_dtype(settings)])
+    else:
+        policy = load_policy(settings.model, model_dir, device, dtype=trainer_dtype(settings))
     mixed = trainer_precision(settings) == "mixed"
     trainer = GRPOTrainer(policy, t, pad_token_id=tokenizer.pad_token_id,
                           temperature=s.temperature, max_tokens=s.max_tokens, device=device,
@@ -375,7 +381,8 @@ def train_one_step(step: int, settings: RunConfig, task, rng: random.Random, tok
         with timer.phase("train"):
             train_metrics = trainer.train_step(prompt_ids, rollouts.completion_ids, rewards, s.n,
                                                engine_logprobs=rollouts.logprobs)
-        metrics = {**rollouts.metrics, **timer.metrics, **train_metrics, **offloader.background_stats()}
+        metrics = {**rollouts.metrics, **timer.metrics, **train_metrics, **offloader.background_stats(),
+                   "train/trainable_params": float(trainer.trainable_params)}
         if torch.cuda.is_available():
             metrics["memory/trainer_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
         metrics.update(host_metrics(generator.process.pid if generator.process else None))

@@ -31,6 +31,7 @@ import colo_rl
 from colo_rl.config import GeneratorConfig, SamplingConfig, engine_python, resolve_device
 from colo_rl.generator.channel import read_deadline
 from colo_rl.generator.staging import tensor_checksum, write_staged_file
+from colo_rl.lora import hf_parameters, merged_weight
 from colo_rl.timing import StepTimer
 
 if TYPE_CHECKING:
@@ -461,23 +462,26 @@ class VLLMGenerator:
     @staticmethod
     def _hf_specs(model: torch.nn.Module) -> list[list]:
         """[name, shape] of every tensor a push sends (an FSDP DTensor's shape is the full one)."""
-        return [[name, list(p.shape)] for name, p in model.named_parameters()]
+        return [[name, list(p.shape)] for name, p, _ in hf_parameters(model)]
 
     def _engine_tensors(self, model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
         """What the engine gets: the trainer's parameters in the engine's dtype, cast where they
         differ (fp32 masters under trainer.precision=mixed; a copy the caller holds until the
-        engine has loaded it), the parameters themselves where they do not."""
+        engine has loaded it), the parameters themselves where they do not. Under LoRA each adapted
+        weight is merged into a fresh copy (colo_rl.lora), named as in the base model."""
         dtype = getattr(torch, self.dtype)
         # named_parameters() yields tied parameters once: an alias is pushed and counted once.
         # FSDP shards are DTensors: full_tensor() all-gathers each (every rank calls this in the
         # same order, so the collectives match).
-        return [(name, (p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach()).to(dtype))
-                for name, p in model.named_parameters()]
+        return [(name, merged_weight(p, layer, dtype) if layer is not None else
+                 (p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach()).to(dtype))
+                for name, p, layer in hf_parameters(model)]
 
     def _cast_gib(self, model: torch.nn.Module) -> float:
-        """GPU memory the engine-dtype copies of a push take (0 when the dtypes agree)."""
+        """GPU memory the engine-dtype copies (cast or merged) of a push take."""
         dtype = getattr(torch, self.dtype)
-        return sum(p.numel() * dtype.itemsize for p in model.parameters() if p.dtype != dtype) / 2**30
+        return sum(p.numel() * dtype.itemsize for _, p, layer in hf_parameters(model)
+                   if layer is not None or p.dtype != dtype) / 2**30
 
     def _cycle(self, prompt_ids, sampling, model, offloader, seed, timer: StepTimer) -> Rollouts:
         m = timer.metrics

@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 
 from colo_rl.config import TrainerConfig
+from colo_rl.lora import is_lora, trainable_parameters
 from colo_rl.parallel import Parallel
 
 LOSS_AGGS = ("token", "sequence", "constant")
@@ -221,10 +222,13 @@ class GRPOTrainer:
         self.temperature = temperature
         self.max_tokens = max_tokens
         self.device = torch.device(device)
-        self.optimizer = make_optimizer(model.parameters(), cfg)
-        self.reference = _frozen_copy(model) if cfg.kl_coef > 0 else None
+        trainable = [p for p in model.parameters() if p.requires_grad]  # under LoRA: the adapters
+        self.trainable_params = sum(p.numel() for p in trainable)
+        self.optimizer = make_optimizer(trainable, cfg)
+        # Under LoRA the reference is the same model with its adapters disabled: no second copy.
+        self.reference = _frozen_copy(model) if cfg.kl_coef > 0 and not is_lora(model) else None
         self.autocast_dtype = autocast_dtype if self.device.type == "cuda" else None
-        if self.autocast_dtype == next(model.parameters()).dtype:
+        if all(p.dtype == self.autocast_dtype for p in trainable):
             self.autocast_dtype = None  # computing in the parameters' own dtype needs no autocast
         self.step_count = 0
 
@@ -347,10 +351,13 @@ class GRPOTrainer:
         return picked.log_softmax(dim=-1).gather(-1, targets).squeeze(-1)
 
     def _reference_logprobs(self, mb: _MicroBatch) -> Optional[torch.Tensor]:
-        if self.reference is None:
+        if self.cfg.kl_coef == 0:
             return None
         with torch.no_grad():
-            return self._token_logprobs(self.reference, mb)
+            if self.reference is not None:
+                return self._token_logprobs(self.reference, mb)
+            with self.model.disable_adapter():  # LoRA: the base model is the reference
+                return self._token_logprobs(self.model, mb)
 
     def state_dict(self) -> dict:
         """Everything needed to resume: model, optimizer, step count and the reference if any.
@@ -362,7 +369,7 @@ class GRPOTrainer:
                 self.model, self.optimizer,
                 options=StateDictOptions(full_state_dict=True, cpu_offload=True))
             return {"model": model_state, "optimizer": optim_state, "step_count": self.step_count}
-        state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+        state = {"model": self._model_state(), "optimizer": self.optimizer.state_dict(),
                  "step_count": self.step_count}
         if self.reference is not None:
             state["reference"] = self.reference.state_dict()
@@ -373,11 +380,28 @@ class GRPOTrainer:
             raise ValueError(f"the checkpoint {'has' if 'reference' in state else 'has no'} reference "
                              f"model but trainer.kl_coef={self.cfg.kl_coef}: resume with the kl_coef "
                              "the checkpoint was trained with")
-        self.model.load_state_dict(state["model"])
+        self._load_model_state(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         if self.reference is not None:
             self.reference.load_state_dict(state["reference"])
         self.step_count = int(state["step_count"])
+
+    def _model_state(self) -> dict:
+        """The model's state, or under LoRA its adapters only: the frozen base is the model's own."""
+        if not is_lora(self.model):
+            return self.model.state_dict()
+        return {name: p.detach() for name, p in trainable_parameters(self.model)}
+
+    def _load_model_state(self, state: dict) -> None:
+        if not is_lora(self.model):
+            self.model.load_state_dict(state)
+            return
+        expected = {name for name, _ in trainable_parameters(self.model)}
+        if set(state) != expected:
+            raise ValueError(f"the checkpoint's model tensors ({len(state)}, e.g. {sorted(state)[:2]}) are not "
+                             f"this LoRA policy's adapters ({len(expected)}, e.g. {sorted(expected)[:2]}): "
+                             "resume with the trainer.lora settings and the model it was trained with")
+        self.model.load_state_dict(state, strict=False)
 
 
 def make_optimizer(params, cfg: TrainerConfig) -> torch.optim.Optimizer:

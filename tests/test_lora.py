@@ -1,0 +1,191 @@
+"""LoRA (trainer.lora, peft): what trains, what the engine gets, the reference, checkpoints,
+refusals, and a LoRA run of the embedded model learning the built-in task."""
+
+from __future__ import annotations
+
+import copy
+
+import peft
+import pytest
+import torch
+
+from colo_rl.config import ConfigError, LoraConfig, ModelConfig, SamplingConfig, TrainerConfig, validate
+from colo_rl.lora import apply_lora, hf_parameters, merged_weight
+from colo_rl.models import load_policy, write_embedded_model
+from colo_rl.run import train
+from colo_rl.trainer import GRPOTrainer, Offloader, load_checkpoint, save_checkpoint
+
+from .conftest import compose_config, engine_processes, small_run_overrides
+from .generator.test_generator import hf_greedy
+
+PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+GROUP = 4
+COMPLETIONS = [[14 + (i * 7 + j) % 40 for j in range(1 + i % 5)] for i in range(len(PROMPTS) * GROUP)]
+REWARDS = [float((i * 5) % 3) / 2 for i in range(len(COMPLETIONS))]
+DECODER_LINEAR = ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+# The embedded model is randomly initialised: its output head's rows are so small that no hidden
+# state makes one token likely (p('a') <= ~0.15), so the built-in task also adapts the head.
+LEARNS = ["trainer.lora.rank=8", "trainer.lr=1e-2", f"trainer.lora.target_modules=[{','.join(DECODER_LINEAR)},lm_head]"]
+
+
+def lora_policy(model_dir, *, dtype="float32", adapter_dtype=torch.float32, seed=None, **lora):
+    model = apply_lora(load_policy(ModelConfig(dtype=dtype), model_dir, "cpu"),
+                       LoraConfig(rank=lora.pop("rank", 8), **lora), adapter_dtype)
+    if seed is not None:  # B starts at 0 (the merge is then the base): give the adapters weight
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.requires_grad:
+                    p.add_(torch.randn(p.shape, generator=g).to(p.dtype) * 0.2)
+    return model
+
+
+def trainer_of(model, **cfg) -> GRPOTrainer:
+    return GRPOTrainer(model, TrainerConfig(**cfg), pad_token_id=0, temperature=1.0, max_tokens=8,
+                       device="cpu", autocast_dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("override,message", [
+    ("trainer.lora.rank=-1", "trainer.lora.rank=-1 must be >= 0"),
+    ("trainer.lora.alpha=0", "trainer.lora.alpha=0.0 must be > 0"),
+    ("trainer.lora.dropout=1.0", "trainer.lora.dropout=1.0 must be in"),
+    ("trainer.lora.dropout=-0.1", "trainer.lora.dropout=-0.1 must be in"),
+])
+def test_lora_values_out_of_range_are_refused_naming_the_key(override, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(compose_config(override))
+
+
+def test_lora_with_fsdp_is_refused_naming_the_key():
+    with pytest.raises(ConfigError, match="trainer.lora.rank=8 must be 0 with trainer.parallel=fsdp"):
+        validate(compose_config("trainer.lora.rank=8", "trainer.parallel=fsdp", "trainer.offload=none"))
+
+
+def test_unknown_target_modules_are_refused_before_any_engine_listing_the_linear_layers(tmp_path):
+    cfg = compose_config(*small_run_overrides(tmp_path, "logger=none", "trainer.lora.rank=4",
+                                              "trainer.lora.target_modules=[q_proj,qkv_proj,embed_tokens]"))
+    with pytest.raises(ConfigError) as info:
+        train(cfg)
+    message = str(info.value)
+    assert message.startswith("trainer.lora.target_modules=['q_proj', 'qkv_proj', 'embed_tokens']: "
+                              "qkv_proj, embed_tokens matches no linear layer")
+    assert f"named {', '.join(sorted([*DECODER_LINEAR, 'lm_head']))} " in message
+    assert not engine_processes() and not (tmp_path / "engine.log").exists()
+
+
+def test_only_the_adapters_train_in_fp32_over_a_frozen_bf16_base(tiny_model_dir):
+    """trainer.precision=mixed under LoRA: fp32 adapters and AdamW state; the base stays in bf16
+    with no master copy, no gradient and no optimizer state."""
+    model = lora_policy(tiny_model_dir, dtype="bfloat16")
+    trainer = trainer_of(model, lr=1e-2)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
+    assert {p.dtype for p in model.parameters() if p.requires_grad} == {torch.float32}
+    assert {p.dtype for p in model.parameters() if not p.requires_grad} == {torch.bfloat16}
+    assert trainer.trainable_params == model.get_nb_trainable_parameters()[0] == 34816
+    in_optimizer = {id(p) for g in trainer.optimizer.param_groups for p in g["params"]}
+    assert in_optimizer == {id(p) for p in model.parameters() if p.requires_grad}
+    assert trainer.reference is None  # no frozen copy even with kl_coef > 0: see the KL test
+    # a module-suffix name works as peft matches it; the default targets every decoder linear
+    adapted = {n.rpartition(".")[2] for n, m in model.named_modules() if isinstance(m, peft.tuners.lora.LoraLayer)}
+    assert sorted(adapted) == DECODER_LINEAR
+
+
+def test_training_moves_the_adapters_and_leaves_the_base_bit_identical(tiny_model_dir):
+    model = lora_policy(tiny_model_dir)
+    base = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    adapters = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    trainer = trainer_of(model, lr=1e-2, kl_coef=0.1)
+    for _ in range(3):
+        trainer.train_step(PROMPTS, COMPLETIONS, REWARDS, GROUP)
+    assert all(torch.equal(p, base[n]) for n, p in model.named_parameters() if not p.requires_grad)
+    assert sum(not torch.equal(p, adapters[n]) for n, p in model.named_parameters() if p.requires_grad) \
+        == len(adapters)
+
+
+def test_the_kl_reference_is_the_base_model_with_the_adapters_disabled(tiny_model_dir):
+    model = lora_policy(tiny_model_dir, seed=1)
+    trainer = trainer_of(model, kl_coef=0.1)
+    micro = trainer._micro_batches([p for p in PROMPTS for _ in range(GROUP)], COMPLETIONS,
+                                   torch.zeros(len(COMPLETIONS)), None)
+    plain = trainer_of(load_policy(ModelConfig(), tiny_model_dir, "cpu"))
+    for mb in micro:
+        reference = trainer._reference_logprobs(mb)
+        with torch.no_grad():
+            base, policy = plain._token_logprobs(plain.model, mb), trainer._token_logprobs(model, mb)
+        assert torch.equal(reference, base)
+        assert not torch.allclose(policy, base, atol=1e-3)  # the adapters are on again afterwards
+    assert trainer.train_step(PROMPTS, COMPLETIONS, REWARDS, GROUP)["train/kl"] > 0
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_merged_weights_equal_peft_merge_under_the_base_model_names_and_leave_the_base_alone(
+        tiny_model_dir, dtype):
+    model = lora_policy(tiny_model_dir, dtype=dtype, seed=2)
+    base = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    engine_dtype = getattr(torch, dtype)
+    pushed = {name: merged_weight(p, layer, engine_dtype) if layer is not None else p.detach()
+              for name, p, layer in hf_parameters(model)}
+    expected = copy.deepcopy(model).merge_and_unload().state_dict()
+    plain = load_policy(ModelConfig(), tiny_model_dir, "cpu")
+    assert list(pushed) == [n for n, _ in plain.named_parameters()]  # names the engine already maps
+    assert all(torch.equal(pushed[n], expected[n]) and pushed[n].dtype == engine_dtype for n in expected)
+    assert sum(not torch.equal(pushed[n], plain.state_dict()[n].to(engine_dtype)) for n in pushed) == 14
+    assert all(torch.equal(p, base[n]) for n, p in model.named_parameters() if not p.requires_grad)
+
+
+def test_offloading_a_lora_policy_moves_each_tensor_once_and_restores_it_bit_exact(tiny_model_dir):
+    model = lora_policy(tiny_model_dir)
+    trainer = trainer_of(model, lr=1e-2)
+    trainer.train_step(PROMPTS, COMPLETIONS, REWARDS, GROUP)
+    for p in model.parameters():  # train_step frees the gradients; keep some to move
+        if p.requires_grad:
+            p.grad = torch.ones_like(p)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    states = sum(v.nbytes for s in trainer.optimizer.state.values() for v in s.values() if torch.is_tensor(v))
+    params = sum(p.nbytes for p in model.parameters()) + sum(b.nbytes for b in model.buffers())
+    grads = sum(p.nbytes for p in model.parameters() if p.requires_grad)
+    offloader = Offloader(model, trainer.optimizer, "all")
+    assert offloader.offload()["bytes"] == params + grads + states
+    offloader.restore()
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+def test_the_checkpoint_holds_the_adapters_only_and_resumes_them_bit_exact(tiny_model_dir, tmp_path):
+    trainer = trainer_of(lora_policy(tiny_model_dir), lr=1e-2)
+    trainer.train_step(PROMPTS, COMPLETIONS, REWARDS, GROUP)
+    save_checkpoint(tmp_path, trainer, {"step": 1})
+    state = trainer.state_dict()["model"]
+    assert set(state) == {n for n, p in trainer.model.named_parameters() if p.requires_grad}
+    resumed = trainer_of(lora_policy(tiny_model_dir), lr=1e-2)
+    load_checkpoint(tmp_path, resumed)
+    assert all(torch.equal(p, q) for p, q in zip(trainer.model.parameters(), resumed.model.parameters()))
+    a, b = (t.train_step(PROMPTS, COMPLETIONS, REWARDS, GROUP) for t in (trainer, resumed))
+    assert a == b
+    full = trainer_of(load_policy(ModelConfig(), tiny_model_dir, "cpu"))
+    with pytest.raises(ValueError, match="not this LoRA policy's adapters"):
+        resumed.load_state_dict(full.state_dict())
+
+
+def test_after_a_push_the_engine_greedy_equals_the_merged_model_token_for_token(engine, tiny_model_dir):
+    model = lora_policy(tiny_model_dir, seed=3)
+    merged = copy.deepcopy(model).merge_and_unload()
+    plain = load_policy(ModelConfig(), tiny_model_dir, "cpu")
+    greedy = SamplingConfig(n=1, temperature=0.0, max_tokens=12)
+    rollouts = engine.generate(PROMPTS, greedy, model=model)
+    for prompt, tokens in zip(PROMPTS, rollouts.completion_ids):
+        assert tokens == hf_greedy(merged, prompt, greedy.max_tokens)[:len(tokens)]
+    assert rollouts.completion_ids != [hf_greedy(plain, p, greedy.max_tokens) for p in PROMPTS]
+    assert engine.engine_info["hf_tensors"] == len(list(plain.named_parameters()))
+
+
+def test_a_lora_run_learns_the_built_in_task_and_logs_its_trainable_parameters(tmp_path, engine):
+    result = train(compose_config(*small_run_overrides(
+        tmp_path, "logger=none", "trainer.steps=10", "trainer.prompts_per_step=8", "sampling.n=8",
+        "sampling.max_tokens=16", *LEARNS)), engine)
+    rewards = [r["reward/mean"] for r in result.records]
+    assert sum(rewards[:3]) / 3 < 0.15 and sum(rewards[-3:]) / 3 > 0.6, rewards
+    # the adapters of 7 linear layers x 2 decoder layers (r=8 x (in + out)) and of lm_head
+    assert {r["train/trainable_params"] for r in result.records} == {34816 + 8 * (128 + 64)}
+    state = torch.load(tmp_path / "checkpoint" / "trainer.pt", weights_only=True)["trainer"]["model"]
+    assert state and all(".lora_A." in n or ".lora_B." in n for n in state)
