@@ -8,6 +8,7 @@ and the trainer's weights are pushed in, exactly as in real runs.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import string
 from pathlib import Path
@@ -16,6 +17,12 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from colo_rl.config import ConfigError, ModelConfig
+
+# transformers imports torchao (when installed, for trainer.optimizer=adamw_bf16_sr) as it loads
+# any model; torchao then warns about its CUDA kernels on a CPU machine and torch about its pytree
+# enums: noise before the first line a user reads, about nothing colo_rl uses.
+for _noisy in ("torchao", "torch.utils._pytree"):
+    logging.getLogger(_noisy).setLevel(logging.ERROR)
 
 PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
 CHARACTERS = string.ascii_lowercase + string.digits + " :.,;?!-+=*/()'\"_#"
