@@ -206,6 +206,7 @@ class TrainerConfig:
     # warmup_steps, then constant, or linear / cosine decay to 0 at trainer.steps
     lr_schedule: str = "constant"  # constant | linear | cosine
     warmup_steps: int = 0
+    max_nonfinite_steps: int = 3  # a non-finite loss or grad norm skips the step; this many in a row stop the run
     kl_coef: float = 0.0  # >0 keeps a frozen reference policy and adds a k3 KL penalty
     # auto: `mixed` when model.dtype is bfloat16 or float16, else `pure`. mixed: fp32 master
     # weights and optimizer state, forward/backward autocast to model.dtype on a GPU (fp32 compute
@@ -262,6 +263,8 @@ class TrainerConfig:
         _one_of("trainer.lr_schedule", self.lr_schedule, ("constant", "linear", "cosine"))
         _check(0 <= self.warmup_steps < self.steps, "trainer.warmup_steps", self.warmup_steps,
                f"must be in [0, trainer.steps={self.steps}) (the lr reaches trainer.lr after them)")
+        _check(self.max_nonfinite_steps >= 1, "trainer.max_nonfinite_steps", self.max_nonfinite_steps,
+               "must be >= 1")
         _check(self.kl_coef >= 0, "trainer.kl_coef", self.kl_coef, "must be >= 0")
         _check(self.checkpoint_every >= 0, "trainer.checkpoint_every", self.checkpoint_every, "must be >= 0")
         _check(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "trainer.betas",

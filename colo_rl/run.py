@@ -35,7 +35,8 @@ from colo_rl.parallel import Parallel, reduce_step_metrics
 from colo_rl.rundir import RunDirLock
 from colo_rl.tasks import make_task
 from colo_rl.timing import StepTimer, host_metrics
-from colo_rl.trainer import CheckpointError, GRPOTrainer, Offloader, load_checkpoint, save_checkpoint
+from colo_rl.trainer import (CheckpointError, GRPOTrainer, Offloader, TrainingDiverged, load_checkpoint,
+                             save_checkpoint)
 
 log = logging.getLogger("colo_rl")
 register_configs()
@@ -400,6 +401,13 @@ def train_one_step(step: int, settings: RunConfig, task, rng: random.Random, tok
             metrics = reduce_step_metrics([m for m, _ in gathered], [r for _, r in gathered])
         logger.log(step, metrics)
         done.update(step=step + 1, task_rng=rng.getstate())
+    limit = settings.trainer.max_nonfinite_steps
+    if trainer.nonfinite_in_a_row >= limit:
+        raise TrainingDiverged(
+            f"step {step}: the loss or gradient norm was not finite in {trainer.nonfinite_in_a_row} "
+            f"steps in a row (trainer.max_nonfinite_steps={limit}); their updates were skipped, so the "
+            "trainer holds the last finite update's state: lower trainer.lr, or look for inf/NaN "
+            "rewards, before resuming")
 
 
 @hydra.main(version_base="1.3", config_path=str(package_dir("conf")), config_name="run")

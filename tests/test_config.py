@@ -76,6 +76,7 @@ def test_wrong_type_fails_at_compose_naming_the_key():
     ("trainer.lr_schedule=step", "trainer.lr_schedule='step' must be one of constant, linear, cosine"),
     ("trainer.warmup_steps=-1", "trainer.warmup_steps=-1 must be in [[]0, trainer.steps=30[)]"),
     ("trainer.warmup_steps=30", "trainer.warmup_steps=30 must be in [[]0, trainer.steps=30[)]"),
+    ("trainer.max_nonfinite_steps=0", "trainer.max_nonfinite_steps=0 must be >= 1"),
 ])
 def test_grpo_numerics_keys_out_of_range_fail_in_validate_naming_the_key(override, key):
     with pytest.raises(ConfigError, match=key.replace("(", r"\(")):

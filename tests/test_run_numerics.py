@@ -3,9 +3,14 @@ composition, metrics.jsonl."""
 
 from __future__ import annotations
 
-import pytest
+import json
 
+import pytest
+import torch
+
+from colo_rl.config import TrainerConfig
 from colo_rl.run import train
+from colo_rl.trainer import GRPOTrainer, TrainingDiverged, load_checkpoint
 
 from .conftest import compose_config, small_run_overrides
 
@@ -22,3 +27,25 @@ def test_truncated_importance_sampling_and_the_lr_schedule_in_a_run(tmp_path, en
         assert record["train/tis_ratio_mean"] == pytest.approx(1.0, abs=1e-4)
         assert record["train/tis_capped_frac"] == 0.0
         assert record["train/engine_logprob_gap"] < 1e-4
+
+
+def test_steps_that_go_non_finite_are_skipped_and_stop_the_run_with_a_checkpoint(tmp_path, engine,
+                                                                                  tiny_policy):
+    """lr=1e30: the first update with a non-zero advantage puts the weights near 1e30, and every
+    forward after it overflows to NaN. Those steps are skipped; the second in a row stops the run
+    naming the step and the key, with a checkpoint whose weights are all finite (applied, the
+    NaN gradients would have made them NaN)."""
+    with pytest.raises(TrainingDiverged, match=r"step \d+: .* 2 steps in a row "
+                                               r"\(trainer.max_nonfinite_steps=2\)"):
+        train(compose_config(*small_run_overrides(tmp_path, "logger=none", "trainer.steps=8",
+                                                  "trainer.lr=1e30", "trainer.max_nonfinite_steps=2")),
+              engine)
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    skipped = [r["train/nonfinite_skipped"] for r in records]
+    assert skipped[-2:] == [1.0, 1.0] and set(skipped[:-2]) == {0.0}, skipped
+    assert records[-1]["train/nonfinite_skipped_total"] == 2.0
+    assert len(records) < 8
+    trainer = GRPOTrainer(tiny_policy, TrainerConfig(), pad_token_id=0, temperature=1.0, max_tokens=8,
+                          device="cpu")
+    assert load_checkpoint(tmp_path / "checkpoint", trainer)["step"] == len(records)
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())

@@ -22,6 +22,11 @@ from colo_rl.parallel import Parallel
 LOSS_AGGS = ("token", "sequence", "constant")
 
 
+class TrainingDiverged(RuntimeError):
+    """trainer.max_nonfinite_steps steps in a row had a non-finite loss or gradient norm; none of
+    them changed the trainer, which holds the last finite update's state."""
+
+
 def group_advantages(rewards: torch.Tensor, group_size: int, norm: str, eps: float = 1e-6,
                      std: str = "unbiased") -> torch.Tensor:
     """Each completion's reward relative to its prompt's group: the GRPO advantage.
@@ -203,6 +208,11 @@ def _check_batch(prompt_ids: list[list[int]], completion_ids: list[list[int]], r
 class GRPOTrainer:
     """Owns the policy's optimiser (and the frozen reference when KL is on) and runs GRPO steps."""
 
+    # Steps whose update was skipped for a non-finite loss or gradient norm: the current run of
+    # them (the runner stops at trainer.max_nonfinite_steps) and all since this trainer was made.
+    nonfinite_in_a_row = 0
+    nonfinite_total = 0
+
     def __init__(self, model: torch.nn.Module, cfg: TrainerConfig, *, pad_token_id: int,
                  temperature: float, max_tokens: int, device: str, parallel: Parallel | None = None,
                  autocast_dtype: torch.dtype | None = None):
@@ -254,15 +264,22 @@ class GRPOTrainer:
         normalizer = self._global_normalizer(lengths)
         ref = [self._reference_logprobs(mb) for mb in micro]
         old = None
-        totals = {"loss": 0.0, "grad_norm": 0.0, "clip_frac": 0.0, "kl": 0.0}
+        updates = []
         for _ in range(self.cfg.updates_per_batch):
             stats, logprobs_before = self._update(micro, old, ref, normalizer)
             if old is None:  # the first update's forward saw the policy before any step
                 old = logprobs_before
-            for key in totals:
-                totals[key] += stats[key] / self.cfg.updates_per_batch
+            updates.append(stats)
+            if stats["skipped"]:  # the next update would start from the same state
+                break
+        skipped = updates[-1]["skipped"]
+        self.nonfinite_in_a_row = self.nonfinite_in_a_row + 1 if skipped else 0
+        self.nonfinite_total += int(skipped)
         self.step_count += 1
-        metrics = {f"train/{key}": value for key, value in totals.items()}
+        metrics = {f"train/{key}": sum(u[key] for u in updates) / len(updates)
+                   for key in ("loss", "grad_norm", "clip_frac", "kl")}
+        metrics["train/nonfinite_skipped"] = float(skipped)
+        metrics["train/nonfinite_skipped_total"] = float(self.nonfinite_total)
         metrics["train/lr"] = lr
         metrics["train/response_tokens"] = float(lengths.sum())
         metrics["train/advantage_abs_mean"] = float(advantages.abs().mean())
@@ -307,7 +324,9 @@ class GRPOTrainer:
 
     def _update(self, micro: list[_MicroBatch], old: Optional[list[torch.Tensor]],
                 ref: list[Optional[torch.Tensor]], normalizer: float) -> tuple[dict, list[torch.Tensor]]:
-        """One optimizer step over all micro-batches; returns its stats and the pre-step log-probs."""
+        """One optimizer step over all micro-batches; returns its stats and the pre-step log-probs.
+        A non-finite loss or gradient norm (on any rank) skips the step: the gradients are dropped,
+        parameters and optimizer state stay as they were, and stats["skipped"] is True."""
         loss_sum, clip_sum, kl_sum, tokens = 0.0, 0.0, 0.0, 0.0
         logprobs_before = []
         for i, mb in enumerate(micro):
@@ -328,14 +347,18 @@ class GRPOTrainer:
             clip_sum += stats["clip_frac"] * stats["tokens"]
             kl_sum += stats["kl"] * stats["tokens"]
             tokens += stats["tokens"]
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
-        self.optimizer.step()
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm))
+        bad = not (math.isfinite(loss_sum) and math.isfinite(grad_norm))
+        if self.parallel.enabled:  # every rank takes the same decision, or their parameters part
+            bad = self.parallel.all_sum(float(bad)) > 0
+        if not bad:
+            self.optimizer.step()
         # The gradients are dead after the step; freeing them leaves a params-sized block more
         # for the engine while it is awake.
         self.optimizer.zero_grad(set_to_none=True)
         tokens = max(tokens, 1.0)
-        return ({"loss": loss_sum, "grad_norm": float(grad_norm), "clip_frac": clip_sum / tokens,
-                 "kl": kl_sum / tokens}, logprobs_before)
+        return ({"loss": loss_sum, "grad_norm": grad_norm, "clip_frac": clip_sum / tokens,
+                 "kl": kl_sum / tokens, "skipped": bad}, logprobs_before)
 
     def _token_logprobs(self, model: torch.nn.Module, mb: _MicroBatch) -> torch.Tensor:
         """(b, T) log-probs of the response tokens, at the sampling temperature."""

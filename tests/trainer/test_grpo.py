@@ -248,6 +248,7 @@ def test_metrics_and_empty_completions(model_dir):
     trainer = make_trainer(model_dir)
     metrics = trainer.train_step(PROMPTS, COMPLETIONS, REWARDS, GROUP)
     assert set(metrics) == {"train/loss", "train/grad_norm", "train/clip_frac", "train/kl", "train/lr",
+                            "train/nonfinite_skipped", "train/nonfinite_skipped_total",
                             "train/response_tokens", "train/advantage_abs_mean"}
     assert metrics["train/response_tokens"] == 12.0
     assert metrics["train/grad_norm"] > 0 and metrics["train/kl"] == 0.0
@@ -264,6 +265,35 @@ def test_train_step_refuses_mismatched_batches(model_dir):
     with pytest.raises(ValueError, match=r"engine_logprobs\[0\] has 1 values for 3"):
         trainer.train_step(PROMPTS, COMPLETIONS, REWARDS, GROUP, engine_logprobs=[[0.0]] * 6)
     assert trainer.step_count == 0
+
+
+def _optimizer_state(trainer) -> list[torch.Tensor]:
+    return [v.clone() for state in trainer.optimizer.state.values() for v in state.values()
+            if isinstance(v, torch.Tensor)]
+
+
+@pytest.mark.parametrize("bad_rewards, what", [
+    ([math.nan, 0.0, 1.0, 0.0, 1.0, 0.3], "loss"),  # a NaN reward: NaN advantages, NaN loss
+    ([1e30, -1e30, 0.0, 0.0, 1e30, -1e30], "grad_norm"),  # finite loss, gradient norm inf
+])
+def test_a_non_finite_loss_or_gradient_skips_the_update_and_keeps_the_state(model_dir, bad_rewards, what):
+    trainer = make_trainer(model_dir, micro_batch_size=4)
+    trainer.train_step(PROMPTS, COMPLETIONS, REWARDS, GROUP)  # AdamW's state exists from here
+    before, moments = params(trainer), _optimizer_state(trainer)
+    for in_a_row in (1, 2):
+        metrics = trainer.train_step(PROMPTS, COMPLETIONS, bad_rewards, GROUP)
+        assert not math.isfinite(metrics[f"train/{what}"])
+        assert metrics["train/nonfinite_skipped"] == 1.0
+        assert metrics["train/nonfinite_skipped_total"] == in_a_row == trainer.nonfinite_in_a_row
+        assert all(torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())
+        assert all(torch.equal(a, b) for a, b in zip(_optimizer_state(trainer), moments))
+        assert all(p.grad is None for p in trainer.model.parameters())
+    assert trainer.step_count == 3  # the schedule's clock runs on: a skipped step is a step
+    metrics = trainer.train_step(PROMPTS, COMPLETIONS, REWARDS, GROUP)
+    assert metrics["train/nonfinite_skipped"] == 0.0 and trainer.nonfinite_in_a_row == 0
+    assert metrics["train/nonfinite_skipped_total"] == 2.0
+    assert any(not torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
 
 
 SCHEDULES = {"constant": "get_constant_schedule_with_warmup", "linear": "get_linear_schedule_with_warmup",
