@@ -253,6 +253,7 @@ def _loop(settings: RunConfig, task, rng: random.Random, tokenizer, trainer: GRP
             if t.checkpoint_every and done["step"] % t.checkpoint_every == 0:
                 _checkpoint(par, checkpoint_dir, trainer, done)
         # The engine first: the checkpoint does not need it, and if writing fails none is left.
+        log.info("all %d steps done: closing the engine, then writing the final checkpoint", t.steps)
         if owns_generator:
             generator.close()
         _checkpoint(par, checkpoint_dir, trainer, done)
@@ -320,8 +321,11 @@ def _save(directory: Path, trainer: GRPOTrainer, done: dict, state: dict | None 
     except CheckpointError:
         raise
     except (OSError, RuntimeError) as exc:  # torch.save reports a failed write as a RuntimeError
-        if isinstance(exc, OSError) and exc.errno is not None:
-            reason = os.strerror(exc.errno)
+        cause = exc  # torch's RuntimeError holds the file's OSError in its context
+        while cause is not None and getattr(cause, "errno", None) is None:
+            cause = cause.__cause__ or cause.__context__
+        if cause is not None:
+            reason = os.strerror(cause.errno)
         else:
             try:
                 free = shutil.disk_usage(directory).free / 2**20
@@ -330,7 +334,7 @@ def _save(directory: Path, trainer: GRPOTrainer, done: dict, state: dict | None 
                 reason = "the write failed"
         raise CheckpointError(f"could not write a checkpoint into {directory}: {reason}. The "
                               "previous checkpoint there (if any) is unchanged; free space there "
-                              "and resume from it with trainer.resume=" f"{directory}") from None
+                              f"and resume from it with trainer.resume={directory}") from None
 
 
 def _checkpoint(par: Parallel, directory: Path, trainer: GRPOTrainer, done: dict) -> None:

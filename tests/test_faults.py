@@ -10,10 +10,15 @@ from __future__ import annotations
 
 import logging
 import os
+import resource
 import shutil
+import signal
 import subprocess
 import sys
+import threading
+import time
 
+import psutil
 import pytest
 import torch
 
@@ -27,7 +32,7 @@ from colo_rl.trainer import Offloader
 
 from .conftest import ROOT, compose_config, engine_processes, leftovers, shared, small_run_overrides
 from .generator.test_generator import GREEDY, PROMPTS, hf_greedy
-from .test_run import read_metrics
+from .test_run import _cli, read_metrics
 
 
 def snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
@@ -280,3 +285,144 @@ def test_a_second_run_into_a_directory_in_use_is_refused_before_any_engine_start
         holder.wait()
     with RunDirLock(tmp_path):  # the kernel dropped the dead holder's lock
         pass
+
+
+CLI_RUN = ("trainer.prompts_per_step=2", "sampling.n=2", "sampling.max_tokens=4", "logger=none",
+           "logger.progress=false")
+
+
+def _read_until(proc: subprocess.Popen, text: str, timeout: float = 300) -> str:
+    """The run's output up to the first line holding `text` (the run is killed past `timeout`)."""
+    timer = threading.Timer(timeout, proc.kill)
+    timer.start()
+    seen = []
+    try:
+        for line in proc.stdout:
+            seen.append(line)
+            if text in line:
+                return "".join(seen)
+    finally:
+        timer.cancel()
+    raise AssertionError(f"the run ended without logging {text!r}:\n{''.join(seen)[-3000:]}")
+
+
+def no_leftovers(pid: int, within: float = 5.0) -> bool:
+    """True once no authkey directory and no process of trainer `pid`'s run is left (a process
+    just SIGKILLed may take a moment to go)."""
+    deadline = time.monotonic() + within
+    while leftovers(pid) != ([], []) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert leftovers(pid) == ([], [])
+    return True
+
+
+def _workers(pid: int) -> list[psutil.Process]:
+    try:
+        children = psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+    return [c for c in children if "colo_rl.generator.worker" in " ".join(c.cmdline())]
+
+
+@pytest.mark.slow
+def test_sigterm_during_the_engines_start_stops_it_and_a_concurrent_run_is_refused(tmp_path):
+    """Two runs into one directory at once: one takes it, the other is refused before it starts
+    an engine. The first is sent SIGTERM while its engine starts: it stops it and says so."""
+    runs = [_cli("trainer.steps=2", *CLI_RUN, f"output_dir={tmp_path}") for _ in range(2)]
+    try:
+        deadline = time.monotonic() + 120
+        winner = None
+        while winner is None and time.monotonic() < deadline:
+            winner = next((p for p in runs if _workers(p.pid)), None)
+            time.sleep(0.05)
+        assert winner is not None, "no run started an engine"
+        assert "engine up" not in (tmp_path / "engine.log").read_text()
+        winner.send_signal(signal.SIGTERM)
+        loser = runs[1 - runs.index(winner)]
+        out_loser, _ = loser.communicate(timeout=120)
+        out, _ = winner.communicate(timeout=120)
+    finally:
+        for p in runs:
+            p.kill()
+    assert loser.returncode not in (0, 143) and _workers(loser.pid) == []
+    assert f"output_dir={tmp_path} is in use by another colo_rl run" in out_loser, out_loser[-3000:]
+    assert winner.returncode == 143, out[-3000:]
+    assert "SIGTERM during the engine's start: it was stopped, no step ran" in out
+    assert "Traceback" not in out
+    assert "engine up" not in (tmp_path / "engine.log").read_text()
+    for p in runs:
+        assert no_leftovers(p.pid)
+
+
+@pytest.mark.slow
+def test_a_second_signal_during_shutdown_exits_at_once_with_one_line(tmp_path):
+    proc = _cli("trainer.steps=500", *CLI_RUN, f"output_dir={tmp_path}")
+    try:
+        metrics = tmp_path / "metrics.jsonl"
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 2):
+            assert proc.poll() is None
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        _read_until(proc, "interrupted after")  # checkpoint written; now the engine is closing
+        proc.send_signal(signal.SIGTERM)
+        second = time.monotonic()
+        rest, _ = proc.communicate(timeout=60)
+        took = time.monotonic() - second
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, rest[-3000:]
+    assert took < 3, took
+    assert [line for line in rest.splitlines() if "shutting down" in line] == [
+        "colo_rl: SIGTERM while shutting down: exiting now (exit code 143); the last complete "
+        "checkpoint is kept"]
+    assert "Traceback" not in rest
+    assert no_leftovers(proc.pid)
+
+
+@pytest.mark.slow
+def test_sigterm_while_the_finished_run_closes_writes_the_final_checkpoint_and_exits_143(tmp_path):
+    proc = _cli("trainer.steps=3", *CLI_RUN, f"output_dir={tmp_path}")
+    try:
+        _read_until(proc, "all 3 steps done: closing the engine")
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, out[-3000:]
+    assert "interrupted after 3 steps (SIGTERM); checkpoint written to" in out
+    assert torch.load(tmp_path / "checkpoint" / "trainer.pt", weights_only=True)["extra"]["step"] == 3
+    assert "Traceback" not in out
+    assert no_leftovers(proc.pid)
+
+
+@pytest.mark.slow
+def test_a_full_disk_at_the_final_checkpoint_is_named_and_the_previous_one_survives(tmp_path, engine):
+    """A file-size limit (RLIMIT_FSIZE: what a full disk looks like to the writer) smaller than a
+    checkpoint: the engine is closed first, the error names the directory (no torch message),
+    the previous checkpoint is byte-identical and no partial file is left."""
+    train(compose_config(*small_run_overrides(tmp_path, "logger=none", "trainer.steps=1")), engine)
+    checkpoint = tmp_path / "checkpoint"
+    before = (checkpoint / "trainer.pt").read_bytes()
+    proc = _cli("trainer.steps=3", "logger=none", "logger.progress=false", "sampling.n=4",
+                "trainer.prompts_per_step=4", "sampling.max_tokens=8", f"trainer.resume={checkpoint}",
+                f"output_dir={tmp_path}")
+    try:
+        # the trainer's own limit, set once its engine runs (the engine compiles into files)
+        head = _read_until(proc, "engine up")
+        resource.prlimit(proc.pid, resource.RLIMIT_FSIZE, (len(before) // 2, resource.RLIM_INFINITY))
+        out, _ = proc.communicate(timeout=300)
+        out = head + out
+    finally:
+        proc.kill()
+    assert proc.returncode not in (0, 130, 143), out[-3000:]
+    closing = "all 3 steps done: closing the engine, then writing the final checkpoint"
+    refused = f"could not write a checkpoint into {checkpoint}: File too large"
+    assert closing in out and refused in out, out[-5000:]
+    assert out.index(refused) > out.index(closing)
+    assert "PytorchStreamWriter" not in out
+    assert "the checkpoint of step 3 could not be written either" in out
+    assert (checkpoint / "trainer.pt").read_bytes() == before
+    assert sorted(p.name for p in checkpoint.iterdir()) == ["trainer.pt"]
+    assert [r["train/step"] for r in read_metrics(tmp_path)] == [0, 1, 2]
+    assert no_leftovers(proc.pid)

@@ -409,8 +409,10 @@ class VLLMGenerator:
     def close(self) -> int | None:
         if self.process is None:
             return None
-        process, self.process = self.process, None
-        code = process.close()
+        try:
+            code = self.process.close()
+        finally:  # kept until then: a trainer that exits at once kills it (run: kill_now)
+            self.process = None
         if code not in (0, None):
             raise GeneratorError(f"engine worker exited with code {code}", phase="close",
                                  log_path=self.log_path)

@@ -3,10 +3,14 @@ stale-weight safety, refusals and recovery."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import json
 import logging
+import socket
+import time
 from multiprocessing import AuthenticationError
-from multiprocessing.connection import Client
+from multiprocessing.connection import Client, answer_challenge, deliver_challenge
 
 import psutil
 import pytest
@@ -14,6 +18,7 @@ import torch
 
 from colo_rl.config import GeneratorConfig, SamplingConfig
 from colo_rl.generator import GeneratorError, VLLMGenerator
+from colo_rl.generator.channel import read_deadline
 from colo_rl.generator.staging import write_staged_file
 from colo_rl.trainer import Offloader
 
@@ -208,12 +213,42 @@ def test_out_of_memory_beside_the_awake_engine_restores_after_its_sleep(engine, 
         assert torch.equal(p.detach(), before[n]), n
 
 
-def test_wrong_authkey_is_refused_and_the_engine_keeps_serving(engine, tiny_policy):
+def test_hostile_clients_are_refused_and_logged_and_the_engine_keeps_serving(engine, tiny_policy):
+    """On the control socket, while the trainer is connected: a wrong key, garbage bytes, a
+    client that says nothing, and the right key a second time. Each is refused (closed) and
+    logged; accepting goes on (the last ones are still answered) and the trainer is served."""
     engine.generate(PROMPTS[:1], GREEDY, model=tiny_policy)
-    socket_path = f"{engine.process.socket_dir}/control.sock"
-    with pytest.raises(AuthenticationError):
-        Client(socket_path, family="AF_UNIX", authkey=b"x" * 32)
+    socket_dir = engine.process.socket_dir
+    path = f"{socket_dir}/control.sock"
+    with open(f"{socket_dir}/worker.json") as f:
+        key = bytes.fromhex(json.load(f)["authkey"])
+    with pytest.raises((AuthenticationError, ConnectionResetError)):  # refused, then closed
+        Client(path, family="AF_UNIX", authkey=b"x" * 32)
+    garbage = socket.socket(socket.AF_UNIX)
+    garbage.connect(path)
+    garbage.sendall(b"\xff" * 64)  # where the handshake's answer belongs
+    garbage.settimeout(10)
+    with contextlib.suppress(ConnectionResetError):  # closed with some of the garbage unread
+        while garbage.recv(4096):  # the challenge, then the end of the connection
+            pass
+    silent = socket.socket(socket.AF_UNIX)
+    silent.connect(path)  # holds a handshake open without a word
+    second = Client(path, family="AF_UNIX")
+    with read_deadline(second, 10):  # the old accept loop was gone or stuck: this would wait forever
+        answer_challenge(second, key)
+        deliver_challenge(second, key)
+        assert second.poll(10)
+        with pytest.raises(EOFError):  # closed by the worker right after the handshake
+            second.recv()
     assert engine.process.request("ping", timeout=30)["engine"] is True
+    expected = ["OSError: bad message length", "AuthenticationError", "a trainer is already connected"]
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not all(e in engine.log_path.read_text() for e in expected):
+        time.sleep(0.1)
+    refused = [line for line in engine.log_path.read_text().splitlines() if "refused client" in line]
+    assert all(any(e in line for line in refused) for e in expected), refused
+    for conn in (garbage, silent, second):
+        conn.close()
 
 
 def test_stale_reply_is_discarded(engine, tiny_policy, caplog):

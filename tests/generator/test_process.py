@@ -5,10 +5,13 @@ Real subprocesses and real signals; each test here starts its own worker because
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -34,16 +37,76 @@ def bare_worker(tmp_path) -> EngineProcess:
 
 
 def test_worker_runs_in_its_own_process_group_with_a_private_socket(tmp_path):
+    """...and the start clears the socket directories (authkeys inside) that dead trainers left,
+    not those of live ones."""
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = tempfile.mkdtemp(prefix=f"colo_rl-{dead.pid}-")
+    alive = tempfile.mkdtemp(prefix=f"colo_rl-{os.getppid()}-")  # pytest's parent is alive
     process = bare_worker(tmp_path)
     try:
+        assert not os.path.exists(stale) and os.path.isdir(alive)
+        assert os.path.basename(process.socket_dir).startswith(f"colo_rl-{os.getpid()}-")
         assert os.getpgid(process.pid) == process.pid != os.getpgid(0)
         assert oct(os.stat(process.socket_dir).st_mode & 0o777) == "0o700"
         assert oct(os.stat(f"{process.socket_dir}/worker.json").st_mode & 0o777) == "0o600"
         socket_dir, pgid = process.socket_dir, process.pid
     finally:
+        os.rmdir(alive)
         assert process.close() == 0
     assert not os.path.exists(socket_dir)
     assert group_members(pgid) == []
+
+
+def test_garbage_and_silence_before_the_trainer_connects_do_not_lock_it_out(tmp_path):
+    """Clients that get to a fresh worker first (garbage bytes, a connection that says nothing)
+    are refused; the trainer, coming third, connects and is served."""
+    socket_dir = tempfile.mkdtemp(prefix=f"colo_rl-{os.getpid()}-")
+    path, key = os.path.join(socket_dir, "control.sock"), os.urandom(32)
+    config = os.path.join(socket_dir, "worker.json")
+    with open(config, "w") as f:
+        json.dump({"socket": path, "authkey": key.hex(), "parent_pid": os.getpid()}, f)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    process = EngineProcess(sys.executable, tmp_path / "engine.log", env)
+    with open(process.log_path, "ab") as log:
+        process.proc = subprocess.Popen([sys.executable, "-m", "colo_rl.generator.worker", config],
+                                        stdout=log, stderr=subprocess.STDOUT, env=env,
+                                        start_new_session=True)
+    process.socket_dir = socket_dir
+    try:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        garbage, silent = socket.socket(socket.AF_UNIX), socket.socket(socket.AF_UNIX)
+        garbage.connect(path)
+        garbage.sendall(b"\x00\x00\x00\x05hello" * 8)
+        silent.connect(path)
+        start = time.monotonic()
+        process.conn = process._connect(path, key, timeout=30)
+        assert time.monotonic() - start < 5
+        assert process.request("ping", timeout=10)["pid"] == process.pid
+        garbage.close()
+        silent.close()
+    finally:
+        assert process.close() == 0
+    assert not os.path.exists(socket_dir)
+    assert "refused client 1" in (tmp_path / "engine.log").read_text()
+
+
+def test_a_handshake_that_never_completes_fails_within_the_start_timeout(tmp_path):
+    """A listener that accepts and then says nothing (a wedged worker, or something else on the
+    path): the trainer's wait ends at generator.start_timeout_s, not never."""
+    path = str(tmp_path / "control.sock")
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(path)
+    listener.listen()
+    process = EngineProcess(sys.executable, tmp_path / "engine.log", dict(os.environ))
+    start = time.monotonic()
+    with pytest.raises(GeneratorError, match=r"during connect: the worker's control socket did not "
+                                             r"complete the handshake within generator.start_timeout_s=2 s"):
+        process._connect(path, os.urandom(32), timeout=2)
+    assert time.monotonic() - start < 5
+    listener.close()
 
 
 def test_hung_worker_times_out_and_its_group_is_killed(tmp_path):
@@ -105,30 +168,41 @@ TRAINER_SCRIPT = textwrap.dedent("""
         generator = VLLMGenerator(GeneratorConfig(in_process=in_process), model_dir=model_dir, dtype="float32",
                                   log_dir=log_dir)
         generator.generate([[5, 6, 7]], SamplingConfig(n=1, max_tokens=2), model=policy)
-        print(generator.process.pid, flush=True)
+        # a batch that keeps the engine busy for minutes: 512 x 8 completions of 240 tokens
+        generator.process.send("generate", prompts=[[5, 6, 7, 8]] * 512,
+                               sampling={"n": 8, "max_tokens": 240, "ignore_eos": True, "temperature": 1.0})
+        print(generator.process.pid, generator.process.socket_dir, flush=True)
         time.sleep(600)
 """)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("in_process", ["true", "false"])  # false: vLLM's engine core in a child (GPU default)
-def test_killing_the_trainer_takes_the_engine_down_within_10_s(tiny_model_dir, tmp_path, in_process):
+def test_killing_the_trainer_mid_generate_takes_the_engine_and_its_key_down_within_seconds(
+        tiny_model_dir, tmp_path, in_process):
+    """The worker is busy with a batch of minutes when its trainer is SIGKILLed: its socket
+    directory (the authkey) goes at once and the whole group within seconds."""
     script = tmp_path / "trainer.py"
     script.write_text(TRAINER_SCRIPT)
     trainer = subprocess.Popen([sys.executable, str(script), str(tiny_model_dir), str(tmp_path), in_process],
                                stdout=subprocess.PIPE, text=True, cwd=ROOT,
                                env=dict(os.environ, PYTHONPATH=str(ROOT)))
     try:
-        worker_pid = int(trainer.stdout.readline())
-        assert psutil.pid_exists(worker_pid)
+        pid, socket_dir = trainer.stdout.readline().split()
+        worker_pid = int(pid)
         names = [p.name() for p in group_members(worker_pid)]
         assert ("VLLM::EngineCore" in names) == (in_process == "false"), names
+        time.sleep(3)  # well into the batch
         trainer.kill()
         trainer.wait()
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and group_members(worker_pid):
+        killed = time.monotonic()
+        while time.monotonic() - killed < 10 and (group_members(worker_pid) or os.path.exists(socket_dir)):
             time.sleep(0.1)
+        gone_s = time.monotonic() - killed
         assert group_members(worker_pid) == [], "engine processes outlived their trainer by 10 s"
-        assert "SIGTERM, shutting the engine down" in (tmp_path / "engine.log").read_text()
+        assert not os.path.exists(socket_dir), "the authkey's directory outlived the trainer"
+        print(f"worker group gone {gone_s:.1f} s after its trainer")
+        assert gone_s < 6
+        assert f"trainer {trainer.pid} is gone" in (tmp_path / "engine.log").read_text()
     finally:
         trainer.kill()
