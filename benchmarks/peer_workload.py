@@ -2,6 +2,7 @@
 
     python benchmarks/peer_workload.py --out $OUT/peer_workload.json            # H200: ~4 min an arm
     python benchmarks/peer_workload.py --arm 'mixed=' --arm 'offload_none=trainer.offload=none'
+    python benchmarks/peer_workload.py --leave-gib 24 --arm 'lora_24gib=trainer.lora.rank=16 ...'   # README of benchmarks/
 
 The workload: the OLMo-2-1B shape (random weights), 32 prompts x 8 completions x 256 tokens with
 EOS ignored, prompts of 128 tokens, micro-batch 16, lr 1e-6, the engine at 0.5 of the GPU with
@@ -9,7 +10,11 @@ CUDA graphs, 6 steps. Each arm is one run in its own process (its own engine), w
 Hydra overrides on top. Per arm it reports the medians of steps 2..6 (the first step pays for
 the pinned buffers), the peak GPU memory of the whole device (nvidia-smi every 100 ms, engine and
 trainer together, as TRL's figure was taken), and the fraction of the policy's weights that the
-run changed: the final checkpoint against the seeded initial weights. Every number is in --out.
+run changed: the final checkpoint against the seeded initial weights (under LoRA: the merged
+weights the engine gets, in model.dtype). `--leave-gib N` runs every arm beside a second process
+that holds all but N GiB of the GPU (benchmarks/hold_memory.py: an emulated N GiB card); the
+device's memory before the arm's process started is then `baseline_gpu_used_gib`, and
+`peak_gpu_used_gib - baseline_gpu_used_gib` is what the run itself took. Every number is in --out.
 """
 
 from __future__ import annotations
@@ -21,10 +26,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from contextlib import nullcontext
 from statistics import median
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing colo_rl
+
+from hold_memory import holding  # noqa: E402  (benchmarks/ is this script's own directory)
 
 WORKLOAD = ["trainer.steps=6", "trainer.prompts_per_step=32", "sampling.n=8",
             "sampling.max_tokens=256", "sampling.ignore_eos=true", "task.prompt_len=127",
@@ -46,6 +54,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", default="olmo2_1b_shape", help="model preset (tiny: a CPU smoke run)")
     p.add_argument("--timeout-s", type=float, default=560, help="per arm")
     p.add_argument("--no-weights", action="store_true", help="skip the changed-weights fraction")
+    p.add_argument("--leave-gib", type=float, default=None,
+                   help="hold all but this much GPU memory in a second process during each arm")
     return p.parse_args(argv)
 
 
@@ -76,7 +86,8 @@ def run_arm(name: str, workload: list[str], overrides: list[str], run_dir: Path,
         med["switch_s"] = median(r["timing/generator_total_s"] - r["timing/generate_s"] for r in steady)
     return {"name": name, "overrides": overrides, "exit_code": code, "wall_s": wall_s,
             "engine_start_s": records[0].get("timing/server_start_s") if records else None,
-            "peak_gpu_used_gib": max(used) / 1024 if used else None, "median_steps_2_on": med,
+            "peak_gpu_used_gib": max(used) / 1024 if used else None,
+            "baseline_gpu_used_gib": used[0] / 1024 if used else None, "median_steps_2_on": med,
             "steps": records, "output_tail": tail if code != 0 else ""}
 
 
@@ -93,21 +104,26 @@ def changed_fraction(run_dir: Path, workload: list[str], overrides: list[str]) -
     from hydra import compose, initialize_config_dir
 
     from colo_rl.config import register_configs, trainer_dtype, validate
-    from colo_rl.models import load_policy
+    from colo_rl.lora import hf_parameters, load_trainer_policy, merged_weight
     from colo_rl.trainer import GRPOTrainer, load_checkpoint
 
     register_configs()
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
         cfg = validate(compose("run", overrides=[*workload, *overrides, f"output_dir={run_dir}"]))
     dtype = trainer_dtype(cfg)
-    policy = load_policy(cfg.model, run_dir / "embedded_model", "cpu", dtype=dtype)
-    start = {name: p.detach().clone() for name, p in policy.named_parameters()}
+    policy = load_trainer_policy(cfg, run_dir / "embedded_model", "cpu")
+
+    def weights() -> dict:  # the trainer's parameters; under LoRA the merged weights the engine gets
+        return {name: merged_weight(p, layer, p.dtype) if layer is not None else p.detach().clone()
+                for name, p, layer in hf_parameters(policy)}
+
+    start = weights()
     load_checkpoint(run_dir / "checkpoint", GRPOTrainer(policy, cfg.trainer, pad_token_id=0, temperature=1.0,
                                                         max_tokens=8, device="cpu"))
     changed = total = 0
     norms_changed = norms_total = 0
     with torch.no_grad():
-        for name, b in policy.named_parameters():
+        for name, b in weights().items():
             a = start[name]
             diff = int((a != b).sum())
             changed, total = changed + diff, total + a.numel()
@@ -125,7 +141,9 @@ def main(argv=None) -> int:
     results = {"workload": workload, "arms": []}
     for name, _, overrides in arms:
         run_dir = (args.work_dir or args.out.parent) / f"peer_{name}"
-        arm = run_arm(name, workload, overrides.split(), run_dir, args.timeout_s)
+        with holding(args.leave_gib) if args.leave_gib else nullcontext() as held:
+            arm = run_arm(name, workload, overrides.split(), run_dir, args.timeout_s)
+        arm["held"] = held
         if not args.no_weights and (run_dir / "checkpoint").exists():
             arm["weights"] = changed_fraction(run_dir, workload, overrides.split())
         results["arms"].append(arm)

@@ -418,6 +418,9 @@ def _check_precision(settings: RunConfig) -> None:
     import importlib.util
 
     t = settings.trainer
+    if t.lora.rank and importlib.util.find_spec("peft") is None:
+        raise ConfigError(f"trainer.lora.rank={t.lora.rank} needs the package peft, which is not installed "
+                          "here: pip install 'colo_rl[lora]', or set trainer.lora.rank=0")
     package = OPTIMIZER_PACKAGES[t.optimizer]
     if package and importlib.util.find_spec(package) is None:
         raise ConfigError(f"trainer.optimizer={t.optimizer} needs the package {package}, which is not "

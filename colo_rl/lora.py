@@ -10,10 +10,11 @@ mapping is the one a full fine-tuning push uses.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import torch
 
-from colo_rl.config import ConfigError, LoraConfig
+from colo_rl.config import ConfigError, LoraConfig, RunConfig, trainer_dtype
 
 
 def is_lora(model: torch.nn.Module) -> bool:
@@ -58,6 +59,19 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig, adapter_dtype: torch.dty
         if p.requires_grad:
             p.data = p.data.to(adapter_dtype)
     return model
+
+
+def load_trainer_policy(settings: RunConfig, model_dir: Path, device: str) -> torch.nn.Module:
+    """The policy as the trainer holds it: in trainer_dtype (fp32 masters under mixed precision),
+    or under LoRA a frozen base in model.dtype with adapters in trainer_dtype. A target module
+    that matches no linear layer is refused here, before any engine starts."""
+    from colo_rl.models import DTYPES, load_policy
+
+    lora = settings.trainer.lora
+    if not lora.rank:
+        return load_policy(settings.model, model_dir, device, dtype=trainer_dtype(settings))
+    return apply_lora(load_policy(settings.model, model_dir, device), lora,
+                      adapter_dtype=DTYPES[trainer_dtype(settings)])
 
 
 def trainable_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:

@@ -26,11 +26,11 @@ from omegaconf import DictConfig, OmegaConf
 
 from colo_rl.cli import boundary, run_cli
 from colo_rl.config import (ConfigError, RunConfig, package_dir, register_configs, resolve_device,
-                            trainer_dtype, trainer_precision, validate)
+                            trainer_precision, validate)
 from colo_rl.generator import GeneratorError, VLLMGenerator
-from colo_rl.lora import apply_lora
+from colo_rl.lora import load_trainer_policy
 from colo_rl.metrics import MetricsLogger, print_summary
-from colo_rl.models import DTYPES, load_policy, load_tokenizer, prepare_model_dir
+from colo_rl.models import DTYPES, load_tokenizer, prepare_model_dir
 from colo_rl.parallel import Parallel, reduce_step_metrics
 from colo_rl.rundir import RunDirLock
 from colo_rl.tasks import make_task
@@ -177,12 +177,7 @@ def _train(cfg: DictConfig, settings: RunConfig, generator: VLLMGenerator | None
     task = make_task(settings.task)
     rng = random.Random(settings.task.seed)
     torch.manual_seed(t.seed)
-    if t.lora.rank:  # frozen base weights stay in model.dtype; the adapters get trainer_dtype
-        policy = load_policy(settings.model, model_dir, device)
-        # a wrong target module is refused here, before the engine starts
-        policy = apply_lora(policy, t.lora, adapter_dtype=DTYPES[trainer_dtype(settings)])
-    else:
-        policy = load_policy(settings.model, model_dir, device, dtype=trainer_dtype(settings))
+    policy = load_trainer_policy(settings, model_dir, device)
     mixed = trainer_precision(settings) == "mixed"
     trainer = GRPOTrainer(policy, t, pad_token_id=tokenizer.pad_token_id,
                           temperature=s.temperature, max_tokens=s.max_tokens, device=device,

@@ -4,6 +4,7 @@ refusals, and a LoRA run of the embedded model learning the built-in task."""
 from __future__ import annotations
 
 import copy
+import sys
 
 import peft
 import pytest
@@ -59,6 +60,13 @@ def test_lora_values_out_of_range_are_refused_naming_the_key(override, message):
 def test_lora_with_fsdp_is_refused_naming_the_key():
     with pytest.raises(ConfigError, match="trainer.lora.rank=8 must be 0 with trainer.parallel=fsdp"):
         validate(compose_config("trainer.lora.rank=8", "trainer.parallel=fsdp", "trainer.offload=none"))
+
+
+def test_lora_without_peft_installed_is_refused_saying_what_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "peft", None)  # what find_spec reports for a missing package
+    with pytest.raises(ConfigError, match=r"trainer.lora.rank=8 needs the package peft.*colo_rl\[lora\]"):
+        validate(compose_config("trainer.lora.rank=8"))
+    validate(compose_config("trainer.lora.rank=0"))
 
 
 def test_unknown_target_modules_are_refused_before_any_engine_listing_the_linear_layers(tmp_path):
