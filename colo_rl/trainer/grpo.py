@@ -2,7 +2,10 @@
 
 The trainer sees only token ids and rewards; the engine that sampled them lives in another
 process. Log-probs are taken at the engine's sampling temperature so that the ratio
-exp(logp - old) and the engine-vs-trainer log-prob gap compare like with like.
+exp(logp - old) and the engine-vs-trainer log-prob gap compare like with like. vLLM's sampled
+log-probs are those before the temperature unless the engine runs with
+logprobs_mode=processed_logprobs, so at a temperature other than 1 the gap (and the TIS weights,
+which validate guards) compare with the engine's only in that mode.
 """
 
 from __future__ import annotations
