@@ -226,6 +226,7 @@ class TrainerConfig:
     restore_while_awake: bool = True
     seed: int = 0
     checkpoint_every: int = 0  # steps; 0: only at the end and on interruption
+    checkpoint_final: bool = True  # false: none at the end (a sweep that wants metrics only); faults still write one
     resume: Optional[str] = None  # a checkpoint directory written by an earlier run
     parallel: str = "none"  # none | ddp | fsdp: data parallel over torchrun's ranks (one GPU each)
     lora: LoraConfig = field(default_factory=LoraConfig)

@@ -51,6 +51,11 @@ class MetricsLogger:
         self.final_config: dict | None = None
         self._file = None
         self._bar = None
+        self._next_extra: dict[str, float] = {}
+
+    def add_to_next(self, metrics: dict[str, float]) -> None:
+        """Metrics that belong to no step (set-up's) go into the next step's record."""
+        self._next_extra.update(metrics)
 
     def __enter__(self) -> "MetricsLogger":
         if not self.enabled:
@@ -91,7 +96,8 @@ class MetricsLogger:
         return f"reward={reward:.3f} phase={phase}" if reward is not None else f"phase={phase}"
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        record = {STEP_KEY: step, **metrics}
+        record = {STEP_KEY: step, **self._next_extra, **metrics}
+        self._next_extra = {}
         self.records.append(record)
         if not self.enabled:
             return
@@ -159,6 +165,9 @@ def print_summary(records: list[dict], output_dir: Path) -> None:
     table.add_row("step", f"{mean(r['timing/step_s'] for r in records):.3f}", "100%")
     console = Console()
     console.print(table)
+    setup = [r for r in records if "setup/total_s" in r]
+    if setup:
+        console.print(f"set-up: {setup[0]['setup/total_s']:.1f} s from the run's start to its first step")
     starts = engine_starts(records)
     if starts:
         console.print(f"engine start: {' + '.join(f'{s:.1f}' for s in starts)} s "

@@ -7,12 +7,16 @@ report. It works without `@hydra.main` (tests call it through Hydra's compose AP
 
 from __future__ import annotations
 
+import sys
+
+if __name__ == "__main__":  # torch, transformers and the rest take seconds to import: say so first
+    print("colo_rl: starting (importing torch, transformers, Hydra)", file=sys.stderr, flush=True)
+
 import logging
 import os
 import random
 import shutil
 import signal
-import sys
 import time
 from contextlib import nullcontext
 from contextlib import contextmanager
@@ -34,7 +38,7 @@ from colo_rl.models import DTYPES, load_tokenizer, prepare_model_dir
 from colo_rl.parallel import Parallel, reduce_step_metrics
 from colo_rl.rundir import RunDirLock
 from colo_rl.tasks import make_task
-from colo_rl.timing import StepTimer, host_metrics
+from colo_rl.timing import SetupStages, StepTimer, engine_log_status, host_metrics
 from colo_rl.trainer import (CheckpointError, GRPOTrainer, Offloader, TrainingDiverged, load_checkpoint,
                              save_checkpoint)
 
@@ -144,7 +148,9 @@ def run(cfg: DictConfig, generator: VLLMGenerator | None = None) -> float:
 def train(cfg: DictConfig, generator: VLLMGenerator | None = None) -> RunResult:
     """The whole run. `generator`: an already started engine for the same model (tests share
     one); by default the run starts and closes its own."""
+    stages = SetupStages()
     settings = validate(cfg)
+    stages.mark("config", "config checked")
     if settings.model.source != cfg.model.source:
         log.warning("model.path=%s is set, so model.source=hf: training that model, not the "
                     "embedded one", settings.model.path)
@@ -159,13 +165,13 @@ def train(cfg: DictConfig, generator: VLLMGenerator | None = None) -> RunResult:
     try:
         # rank 0's directory is every rank's (broadcast in _train); rank 0 holds it
         with RunDirLock(output_dir) if par.is_main else nullcontext():
-            return _train(cfg, settings, generator, par, output_dir, group, name)
+            return _train(cfg, settings, generator, par, output_dir, group, name, stages)
     finally:
         par.close()
 
 
 def _train(cfg: DictConfig, settings: RunConfig, generator: VLLMGenerator | None, par: Parallel,
-           output_dir: Path, group: str | None, name: str | None) -> RunResult:
+           output_dir: Path, group: str | None, name: str | None, stages: SetupStages) -> RunResult:
     t, s = settings.trainer, settings.sampling
     device = par.device(resolve_device(t.device))
     par.shard(range(t.prompts_per_step))  # fails now, naming the key, if they do not split
@@ -174,7 +180,9 @@ def _train(cfg: DictConfig, settings: RunConfig, generator: VLLMGenerator | None
     model_dir = Path(par.broadcast(str(prepare_model_dir(settings.model, output_dir))
                                    if par.is_main else None))
     tokenizer = load_tokenizer(settings.model, model_dir)
+    stages.mark("tokenizer", f"model files in {model_dir}, tokenizer of {len(tokenizer)} tokens")
     task = make_task(settings.task)
+    stages.mark("task", f"task {settings.task.name} ready")
     rng = random.Random(settings.task.seed)
     torch.manual_seed(t.seed)
     policy = load_trainer_policy(settings, model_dir, device)
@@ -184,6 +192,9 @@ def _train(cfg: DictConfig, settings: RunConfig, generator: VLLMGenerator | None
                           parallel=par, autocast_dtype=DTYPES[settings.model.dtype] if mixed else None)
     offloader = Offloader(policy, trainer.optimizer, t.offload, overlap_restore=t.overlap_restore,
                           restore_while_awake=t.restore_while_awake)
+    stages.mark("policy", f"policy of {sum(p.numel() for p in policy.parameters()) / 1e6:.2f} M parameters "
+                          f"on {device} in {str(next(policy.parameters()).dtype).removeprefix('torch.')}, "
+                          f"{t.optimizer} optimizer")
     start_step = 0
     if t.resume:
         extra = load_checkpoint(t.resume, trainer)
@@ -193,7 +204,7 @@ def _train(cfg: DictConfig, settings: RunConfig, generator: VLLMGenerator | None
             raise ConfigError(f"trainer.resume={t.resume} holds a run that already did {start_step} "
                               f"steps, so trainer.steps={t.steps} leaves none to do: raise trainer.steps "
                               f"above {start_step}")
-        log.info("resumed from %s after %d steps", t.resume, start_step)
+        stages.mark("resume", f"resumed from {t.resume} after {start_step} steps")
     if s.n == 1:
         log.warning("sampling.n=1: every GRPO advantage is zero, so this run measures generation "
                     "and switching only; use sampling=default to learn")
@@ -210,7 +221,11 @@ def _train(cfg: DictConfig, settings: RunConfig, generator: VLLMGenerator | None
         try:
             # A bad engine setting (path, memory) fails here with vLLM's own message, before step 0
             # moves any trainer state; start() leaves no worker process behind when it fails.
-            generator.ensure_started(trainer.model)
+            if not generator.process or not generator.process.alive():
+                log.info("set-up: engine starting (vLLM in its own process; log: %s)", generator.log_path)
+            with engine_log_status("engine starting", generator.log_path):
+                generator.ensure_started(trainer.model)
+            stages.mark("engine", "engine ready")
         except KeyboardInterrupt as exc:
             log.error("%s during the engine's start: it was stopped, no step ran", exc)
             raise SystemExit(128 + getattr(exc, "signum", signal.SIGINT)) from None
@@ -219,6 +234,8 @@ def _train(cfg: DictConfig, settings: RunConfig, generator: VLLMGenerator | None
                                name=name, total_steps=t.steps, initial_step=start_step,
                                enabled=par.is_main)
         with logger:
+            stages.mark("logger", f"logging to {logger.path}" + (" and a W&B run" if logger.run else ""))
+            logger.add_to_next(stages.finish())
             _loop(settings, task, rng, tokenizer, trainer, offloader, generator, logger, guard, par,
                   start_step, checkpoint_dir, owns_generator)
 
@@ -251,7 +268,11 @@ def _loop(settings: RunConfig, task, rng: random.Random, tokenizer, trainer: GRP
         log.info("all %d steps done: closing the engine, then writing the final checkpoint", t.steps)
         if owns_generator:
             generator.close()
-        _checkpoint(par, checkpoint_dir, trainer, done)
+        if t.checkpoint_final:
+            start = time.perf_counter()
+            _checkpoint(par, checkpoint_dir, trainer, done)
+            log.info("final checkpoint of step %d written to %s (%.1f s)", done["step"], checkpoint_dir,
+                     time.perf_counter() - start)
     except KeyboardInterrupt as exc:
         # The generator has put the engine to sleep and restored the trainer before this.
         guard.shutting_down(_engine_killer(generator if owns_generator else None))

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import logging
+import os
+import sys
+import threading
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 
 GIB = 2**30
+log = logging.getLogger("colo_rl")
 
 
 def _sync() -> None:
@@ -66,3 +72,61 @@ def host_metrics(engine_pid: int | None) -> dict[str, float]:
         except psutil.NoSuchProcess:
             pass
     return metrics
+
+
+class SetupStages:
+    """Set-up, stage by stage: one log line as each ends, with its seconds, and `setup/<stage>_s`
+    (plus `setup/total_s`, from the run's start to its first step) for the first step's record.
+    Stages follow one another: each `mark` ends the stage that began at the previous one."""
+
+    def __init__(self) -> None:
+        self.started = self._last = time.perf_counter()
+        self.metrics: dict[str, float] = {}
+
+    def mark(self, name: str, text: str) -> None:
+        now = time.perf_counter()
+        seconds, self._last = now - self._last, now
+        self.metrics[f"setup/{name}_s"] = self.metrics.get(f"setup/{name}_s", 0.0) + seconds
+        log.info("set-up: %s (%.1f s)", text, seconds)
+
+    def finish(self) -> dict[str, float]:
+        self.metrics["setup/total_s"] = time.perf_counter() - self.started
+        return dict(self.metrics)
+
+
+@contextmanager
+def engine_log_status(text: str, log_path: Path, enabled: bool | None = None):
+    """A spinner on the console while the engine starts, showing the last line of its log (vLLM
+    says there when it loads, compiles, captures graphs). Only on a terminal: a log file gets the
+    stage lines alone."""
+    if enabled is None:
+        enabled = sys.stderr.isatty()
+    if not enabled:
+        yield
+        return
+    from rich.console import Console
+
+    stop = threading.Event()
+    with Console(stderr=True).status(text) as status:
+        def follow() -> None:
+            while not stop.wait(0.5):
+                last = _last_line(log_path)
+                if last:
+                    status.update(f"{text}: {last[:100]}")
+        thread = threading.Thread(target=follow, name="colo_rl-engine-status", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join()
+
+
+def _last_line(path: Path) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.path.getsize(path) - 4096))
+            lines = f.read().decode(errors="replace").strip().splitlines()
+    except OSError:
+        return ""
+    return lines[-1].strip() if lines else ""

@@ -38,6 +38,12 @@ def test_shortened_default_run_logs_every_phase_and_leaves_no_engine(tmp_path):
         assert not missing, missing
         assert record["rollout/tokens"] > 0 and 0 <= record["reward/mean"] <= 1
     assert "timing/server_start_s" in records[0] and "timing/server_start_s" not in records[1]
+    # set-up's stages, once, in the first step's record (and so in W&B)
+    setup = {k: v for k, v in records[0].items() if k.startswith("setup/")}
+    assert set(setup) == {f"setup/{s}_s" for s in ("config", "tokenizer", "task", "policy", "engine",
+                                                     "logger", "total")}
+    assert setup["setup/engine_s"] > 1 and setup["setup/total_s"] >= sum(setup.values()) - setup["setup/total_s"]
+    assert not any(k.startswith("setup/") for k in records[1])
     assert records == result.records
     # the W&B run saw the same numbers and the resolved config
     assert result.wandb_config["generator"]["gpu_memory_utilization"] == 0.5
@@ -129,8 +135,11 @@ def test_multirun_runs_one_job_per_value_in_its_own_directory_and_wandb_group(tm
 
 @pytest.mark.slow
 def test_sigterm_checkpoints_closes_the_engine_and_exits_non_zero(tmp_path):
+    started = time.monotonic()
     proc = _cli("trainer.steps=500", "trainer.prompts_per_step=2", "sampling.n=2",
                 "sampling.max_tokens=4", "logger=none", "logger.progress=false", f"output_dir={tmp_path}")
+    first_line = proc.stdout.readline()  # before torch and transformers are imported
+    assert "colo_rl: starting" in first_line and time.monotonic() - started < 2
     metrics = tmp_path / "metrics.jsonl"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 2):
@@ -149,4 +158,15 @@ def test_sigterm_checkpoints_closes_the_engine_and_exits_non_zero(tmp_path):
     state = torch.load(tmp_path / "checkpoint" / "trainer.pt", weights_only=False)
     assert state["extra"]["step"] == steps_logged
     assert "resume with trainer.resume=" in out
+    lines = [line for line in out.splitlines() if "set-up: " in line]
+    for i, stage in enumerate(("config checked", "model files in", "task target_char ready", "policy of",
+                               "engine starting", "engine ready", "logging to")):
+        assert stage in lines[i], (stage, lines)
     assert not [pid for pid in workers if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+
+
+def test_checkpoint_final_false_leaves_no_checkpoint(tmp_path, engine):
+    train(compose_config(*small_run_overrides(tmp_path, "logger=none", "trainer.steps=1",
+                                              "trainer.checkpoint_final=false")), engine)
+    assert len(read_metrics(tmp_path)) == 1
+    assert not (tmp_path / "checkpoint").exists()
