@@ -379,10 +379,10 @@ def validate(cfg: DictConfig | RunConfig) -> RunConfig:
         _check(s.logprobs, "sampling.logprobs", s.logprobs,
                f"must be true with trainer.tis_cap={t.tis_cap} (the importance weights need the "
                "engine's sampled log-probs); set sampling.logprobs=true or trainer.tis_cap=null")
-        mode = g.engine_kwargs.get("logprobs_mode", "raw_logprobs")
+        mode = g.engine_kwargs.get("logprobs_mode", "processed_logprobs")
         _check(s.temperature == 1 or mode == "processed_logprobs", "sampling.temperature", s.temperature,
-               f"needs +generator.engine_kwargs.logprobs_mode=processed_logprobs with trainer.tis_cap="
-               f"{t.tis_cap}: vLLM's default {mode!r} are log-probs before the temperature, the "
+               f"needs generator.engine_kwargs.logprobs_mode=processed_logprobs (colo_rl's default) with "
+               f"trainer.tis_cap={t.tis_cap}: {mode!r} are log-probs before the temperature, the "
                "trainer's after it, so their ratio would not be the sampling mismatch")
     if s.max_tokens >= g.max_model_len:
         raise ConfigError(f"sampling.max_tokens={s.max_tokens} must be below generator.max_model_len="

@@ -87,10 +87,10 @@ def test_truncated_importance_sampling_needs_the_engines_logprobs_at_the_trainer
     with pytest.raises(ConfigError, match="sampling.logprobs=False must be true with trainer.tis_cap=2.0"):
         validate(compose_config("trainer.tis_cap=2", "sampling.logprobs=false"))
     with pytest.raises(ConfigError, match="sampling.temperature=0.7 needs "
-                                          r"\+generator.engine_kwargs.logprobs_mode=processed_logprobs"):
-        validate(compose_config("trainer.tis_cap=2", "sampling.temperature=0.7"))
-    validate(compose_config("trainer.tis_cap=2", "sampling.temperature=0.7",
-                            "+generator.engine_kwargs.logprobs_mode=processed_logprobs"))
+                                          r"generator.engine_kwargs.logprobs_mode=processed_logprobs"):
+        validate(compose_config("trainer.tis_cap=2", "sampling.temperature=0.7",
+                                "+generator.engine_kwargs.logprobs_mode=raw_logprobs"))
+    validate(compose_config("trainer.tis_cap=2", "sampling.temperature=0.7"))
     assert validate(compose_config("trainer.tis_cap=2")).trainer.tis_cap == 2.0
 
 

@@ -345,7 +345,11 @@ class VLLMGenerator:
                       dtype=self.dtype, load_format="dummy", seed=self.seed,
                       gpu_memory_utilization=self.cfg.gpu_memory_utilization,
                       max_model_len=self.cfg.max_model_len, max_num_seqs=self.cfg.max_num_seqs,
-                      enforce_eager=self.cfg.enforce_eager, trust_remote_code=self.trust_remote_code)
+                      enforce_eager=self.cfg.enforce_eager, trust_remote_code=self.trust_remote_code,
+                      # the sampled tokens' log-probs after the temperature, as the trainer takes
+                      # them (vLLM's default is before it): the engine/trainer gap and the TIS
+                      # weights then compare like with like at any temperature
+                      logprobs_mode="processed_logprobs")
         if self.in_process:
             kwargs["distributed_executor_backend"] = "uni"
         kwargs.update(self.cfg.engine_kwargs)

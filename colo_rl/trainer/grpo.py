@@ -2,10 +2,9 @@
 
 The trainer sees only token ids and rewards; the engine that sampled them lives in another
 process. Log-probs are taken at the engine's sampling temperature so that the ratio
-exp(logp - old) and the engine-vs-trainer log-prob gap compare like with like. vLLM's sampled
-log-probs are those before the temperature unless the engine runs with
-logprobs_mode=processed_logprobs, so at a temperature other than 1 the gap (and the TIS weights,
-which validate guards) compare with the engine's only in that mode.
+exp(logp - old) and the engine-vs-trainer log-prob gap compare like with like; the engine runs
+with logprobs_mode=processed_logprobs for the same reason (vLLM's default is before the
+temperature; validate refuses TIS at a temperature other than 1 if a user sets that back).
 """
 
 from __future__ import annotations

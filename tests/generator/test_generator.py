@@ -292,3 +292,16 @@ def test_on_cpu_the_engine_core_runs_inside_the_worker_by_default(engine, tiny_p
     assert engine.cfg.in_process is None and engine.engine_info["in_process"] is True
     # with in_process=false the worker has a child, vLLM's "VLLM::EngineCore"
     assert psutil.Process(engine.process.pid).children(recursive=True) == []
+
+
+def test_engine_logprobs_are_after_the_temperature_like_the_trainers(engine, tiny_policy):
+    """vLLM's default log-probs are before the temperature; colo_rl asks for the processed ones,
+    so at T=0.7 they equal the trainer's log_softmax(logits / 0.7)."""
+    sampling = SamplingConfig(n=2, temperature=0.7, max_tokens=6)
+    rollouts = engine.generate(PROMPTS, sampling, model=tiny_policy, seed=3)
+    for i, (completion, logprobs) in enumerate(zip(rollouts.completion_ids, rollouts.logprobs)):
+        prompt = PROMPTS[i // 2]
+        with torch.no_grad():
+            logits = tiny_policy(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1:-1]
+        expected = torch.log_softmax(logits.float() / 0.7, -1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(logprobs), expected, atol=1e-4, rtol=0)
