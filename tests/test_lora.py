@@ -197,3 +197,26 @@ def test_a_lora_run_learns_the_built_in_task_and_logs_its_trainable_parameters(t
     assert {r["train/trainable_params"] for r in result.records} == {34816 + 8 * (128 + 64)}
     state = torch.load(tmp_path / "checkpoint" / "trainer.pt", weights_only=True)["trainer"]["model"]
     assert state and all(".lora_A." in n or ".lora_B." in n for n in state)
+
+
+def adapters_of(checkpoint_dir, model_dir) -> dict[str, torch.Tensor]:
+    trainer = trainer_of(lora_policy(model_dir), lr=1e-2)
+    load_checkpoint(checkpoint_dir, trainer)
+    return {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+
+
+def test_resuming_from_an_adapter_checkpoint_continues_bit_exact(tmp_path, engine, tiny_model_dir):
+    keys = ["reward/mean", "train/loss", "train/grad_norm", "rollout/tokens"]
+    lora = ["logger=none", "trainer.lora.rank=8", "trainer.lr=1e-2"]
+    full = train(compose_config(*small_run_overrides(tmp_path / "full", *lora, "trainer.steps=4")), engine).records
+    train(compose_config(*small_run_overrides(tmp_path / "first", *lora, "trainer.steps=2")), engine)
+    resumed = train(compose_config(*small_run_overrides(
+        tmp_path / "resumed", *lora, "trainer.steps=4", f"trainer.resume={tmp_path / 'first' / 'checkpoint'}")),
+        engine).records
+    assert [r["train/step"] for r in resumed] == [2, 3]
+    for a, b in zip(full[2:], resumed):
+        assert {k: a[k] for k in keys} == {k: b[k] for k in keys}
+    expected = adapters_of(tmp_path / "full" / "checkpoint", tiny_model_dir)
+    got = adapters_of(tmp_path / "resumed" / "checkpoint", tiny_model_dir)
+    assert expected.keys() == got.keys() and all(torch.equal(expected[n], got[n]) for n in expected)
+    assert max(float(t.abs().max()) for n, t in got.items() if ".lora_B." in n) > 0  # B left its zero init
