@@ -30,6 +30,7 @@ LEARNS = ["trainer.lora.rank=8", "trainer.lr=1e-2", f"trainer.lora.target_module
 
 
 def lora_policy(model_dir, *, dtype="float32", adapter_dtype=torch.float32, seed=None, **lora):
+    torch.manual_seed(0)  # peft draws A's initial values from torch's generator; the runner seeds it
     model = apply_lora(load_policy(ModelConfig(dtype=dtype), model_dir, "cpu"),
                        LoraConfig(rank=lora.pop("rank", 8), **lora), adapter_dtype)
     if seed is not None:  # B starts at 0 (the merge is then the base): give the adapters weight
@@ -220,3 +221,15 @@ def test_resuming_from_an_adapter_checkpoint_continues_bit_exact(tmp_path, engin
     got = adapters_of(tmp_path / "resumed" / "checkpoint", tiny_model_dir)
     assert expected.keys() == got.keys() and all(torch.equal(expected[n], got[n]) for n in expected)
     assert max(float(t.abs().max()) for n, t in got.items() if ".lora_B." in n) > 0  # B left its zero init
+
+
+def test_gradient_checkpointing_trains_the_adapters_as_without_it(tiny_model_dir):
+    """The 24 GiB benchmark arm's setting: peft's model takes Hugging Face's checkpointing."""
+    after = []
+    for checkpointing in (False, True):
+        trainer = trainer_of(lora_policy(tiny_model_dir), lr=1e-2, gradient_checkpointing=checkpointing)
+        metrics = trainer.train_step(PROMPTS, COMPLETIONS, REWARDS, GROUP)
+        after.append((metrics["train/loss"], [p.detach().clone() for p in trainer.model.parameters() if p.requires_grad]))
+    assert trainer.model.is_gradient_checkpointing
+    assert after[0][0] == after[1][0]
+    torch.testing.assert_close(after[0][1], after[1][1], rtol=0, atol=1e-7)
