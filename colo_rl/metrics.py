@@ -17,6 +17,8 @@ STEP_KEY = "train/step"
 # Phases of a step in the order they happen; the summary table and dashboards use this order.
 PHASES = ("offload", "stage", "server_start", "wake_weights", "weight_load", "wake_kv", "generate",
           "sleep", "restore", "score", "train")
+# The phases that hand the GPU between trainer and engine: timing/switch_s is their sum.
+SWITCH_PHASES = ("offload", "stage", "wake_weights", "weight_load", "wake_kv", "sleep", "restore")
 
 
 def wandb_mode(requested: str) -> str:

@@ -33,7 +33,7 @@ from colo_rl.config import (ConfigError, RunConfig, package_dir, register_config
                             trainer_precision, validate)
 from colo_rl.generator import GeneratorError, VLLMGenerator
 from colo_rl.lora import load_trainer_policy
-from colo_rl.metrics import MetricsLogger, print_summary
+from colo_rl.metrics import SWITCH_PHASES, MetricsLogger, print_summary
 from colo_rl.models import DTYPES, load_tokenizer, prepare_model_dir
 from colo_rl.parallel import Parallel, reduce_step_metrics
 from colo_rl.rundir import RunDirLock
@@ -408,10 +408,11 @@ def train_one_step(step: int, settings: RunConfig, task, rng: random.Random, tok
             metrics["memory/trainer_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
         metrics.update(host_metrics(generator.process.pid if generator.process else None))
         step_s = time.perf_counter() - step_start
-        busy = metrics.get("timing/generate_s", 0.0) + metrics["timing/train_s"]
+        switch_s = sum(metrics.get(f"timing/{phase}_s", 0.0) for phase in SWITCH_PHASES)
         metrics.update({
             "timing/step_s": step_s,
-            "timing/switch_overhead_frac": max(0.0, step_s - busy) / step_s,
+            "timing/switch_s": switch_s,
+            "timing/switch_overhead_frac": switch_s / step_s,
             "reward/mean": mean(rewards),
             "reward/max": max(rewards),
             "reward/min": min(rewards),

@@ -21,7 +21,7 @@ from .conftest import ROOT, compose_config, engine_processes, small_run_override
 TIMING_KEYS = ["timing/offload_s", "timing/stage_s", "timing/wake_weights_s", "timing/weight_load_s",
                "timing/wake_kv_s", "timing/wake_s", "timing/generate_s", "timing/sleep_s",
                "timing/restore_s", "timing/score_s", "timing/train_s", "timing/step_s",
-               "timing/generator_total_s", "timing/switch_overhead_frac"]
+               "timing/generator_total_s", "timing/switch_s", "timing/switch_overhead_frac"]
 
 
 def read_metrics(output_dir: Path) -> list[dict]:
@@ -37,6 +37,11 @@ def test_shortened_default_run_logs_every_phase_and_leaves_no_engine(tmp_path):
         missing = [k for k in TIMING_KEYS if k not in record]
         assert not missing, missing
         assert record["rollout/tokens"] > 0 and 0 <= record["reward/mean"] <= 1
+        # the switch is its named phases, not what is left of the step besides generate and train
+        switch = sum(record[f"timing/{p}_s"] for p in ("offload", "stage", "wake_weights", "weight_load",
+                                                        "wake_kv", "sleep", "restore"))
+        assert record["timing/switch_s"] == pytest.approx(switch)
+        assert record["timing/switch_overhead_frac"] == pytest.approx(switch / record["timing/step_s"])
     assert "timing/server_start_s" in records[0] and "timing/server_start_s" not in records[1]
     # set-up's stages, once, in the first step's record (and so in W&B)
     setup = {k: v for k, v in records[0].items() if k.startswith("setup/")}
