@@ -73,13 +73,14 @@ def test_lora_without_peft_installed_is_refused_saying_what_to_install(monkeypat
 def test_unknown_target_modules_are_refused_before_any_engine_listing_the_linear_layers(tmp_path):
     cfg = compose_config(*small_run_overrides(tmp_path, "logger=none", "trainer.lora.rank=4",
                                               "trainer.lora.target_modules=[q_proj,qkv_proj,embed_tokens]"))
+    before = engine_processes()  # the session's shared engine may be up
     with pytest.raises(ConfigError) as info:
         train(cfg)
     message = str(info.value)
     assert message.startswith("trainer.lora.target_modules=['q_proj', 'qkv_proj', 'embed_tokens']: "
                               "qkv_proj, embed_tokens matches no linear layer")
     assert f"named {', '.join(sorted([*DECODER_LINEAR, 'lm_head']))} " in message
-    assert not engine_processes() and not (tmp_path / "engine.log").exists()
+    assert engine_processes() == before and not (tmp_path / "engine.log").exists()
 
 
 def test_only_the_adapters_train_in_fp32_over_a_frozen_bf16_base(tiny_model_dir):
