@@ -366,4 +366,9 @@ def main(config_path: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    code = main(sys.argv[1])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # The engine is shut down and the socket directory gone; what is left is the interpreter's
+    # teardown of torch and vLLM, 3.2 s on 2 CPU cores, which every interrupted run waited for.
+    os._exit(code)
