@@ -228,6 +228,8 @@ class TrainerConfig:
     checkpoint_every: int = 0  # steps; 0: only at the end and on interruption
     checkpoint_final: bool = True  # false: none at the end (a sweep that wants metrics only); faults still write one
     resume: Optional[str] = None  # a checkpoint directory written by an earlier run
+    export_final: bool = False  # at the end, a Hugging Face model directory from the last checkpoint
+    export_dir: Optional[str] = None  # where export_final writes; null: OUTPUT_DIR/export
     parallel: str = "none"  # none | ddp | fsdp: data parallel over torchrun's ranks (one GPU each)
     lora: LoraConfig = field(default_factory=LoraConfig)
 
@@ -270,9 +272,15 @@ class TrainerConfig:
         _check(self.checkpoint_every >= 0, "trainer.checkpoint_every", self.checkpoint_every, "must be >= 0")
         _check(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "trainer.betas",
                self.betas, "must be two numbers in [0, 1)")
+        if self.export_dir is not None:
+            _check(self.export_final, "trainer.export_dir", self.export_dir,
+                   "is set but trainer.export_final=false: add trainer.export_final=true")
+            _check(not os.path.isfile(self.export_dir), "trainer.export_dir", self.export_dir,
+                   "is a file: give a directory for the exported model")
         if self.resume is not None:
-            _check(os.path.isfile(os.path.join(self.resume, "trainer.pt")), "trainer.resume",
-                   self.resume, "is not a checkpoint directory (no trainer.pt in it)")
+            _check(os.path.isfile(os.path.join(self.resume, "manifest.json")), "trainer.resume",
+                   self.resume, "is not a checkpoint directory (no manifest.json in it): point it "
+                   "at the checkpoint/ directory of an earlier run")
 
 
 @dataclass

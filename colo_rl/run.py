@@ -31,6 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 from colo_rl.cli import boundary, run_cli
 from colo_rl.config import (ConfigError, RunConfig, package_dir, register_configs, resolve_device,
                             trainer_precision, validate)
+from colo_rl.export import export_checkpoint
 from colo_rl.generator import GeneratorError, VLLMGenerator
 from colo_rl.lora import load_trainer_policy
 from colo_rl.metrics import SWITCH_PHASES, MetricsLogger, print_summary
@@ -41,6 +42,7 @@ from colo_rl.tasks import make_task
 from colo_rl.timing import SetupStages, StepTimer, engine_log_status, host_metrics
 from colo_rl.trainer import (CheckpointError, GRPOTrainer, Offloader, TrainingDiverged, load_checkpoint,
                              save_checkpoint)
+from colo_rl.trainer.checkpoint import check_compatible
 
 log = logging.getLogger("colo_rl")
 register_configs()
@@ -173,6 +175,9 @@ def train(cfg: DictConfig, generator: VLLMGenerator | None = None) -> RunResult:
 def _train(cfg: DictConfig, settings: RunConfig, generator: VLLMGenerator | None, par: Parallel,
            output_dir: Path, group: str | None, name: str | None, stages: SetupStages) -> RunResult:
     t, s = settings.trainer, settings.sampling
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    if t.resume:  # before any model is built: a config the checkpoint does not fit stops here
+        check_compatible(t.resume, resolved)
     device = par.device(resolve_device(t.device))
     par.shard(range(t.prompts_per_step))  # fails now, naming the key, if they do not split
     # every rank writes into rank 0's directory (Hydra names one per process, by the clock)
@@ -197,7 +202,7 @@ def _train(cfg: DictConfig, settings: RunConfig, generator: VLLMGenerator | None
                           f"{t.optimizer} optimizer")
     start_step = 0
     if t.resume:
-        extra = load_checkpoint(t.resume, trainer)
+        extra = load_checkpoint(t.resume, trainer)  # its config was compared above
         rng.setstate(extra["task_rng"])
         start_step = extra["step"]
         if start_step >= t.steps:
@@ -237,7 +242,11 @@ def _train(cfg: DictConfig, settings: RunConfig, generator: VLLMGenerator | None
             stages.mark("logger", f"logging to {logger.path}" + (" and a W&B run" if logger.run else ""))
             logger.add_to_next(stages.finish())
             _loop(settings, task, rng, tokenizer, trainer, offloader, generator, logger, guard, par,
-                  start_step, checkpoint_dir, owns_generator)
+                  start_step, checkpoint_dir, owns_generator,
+                  {"config": resolved, "model_dir": model_dir})
+    if t.export_final and par.is_main:
+        export_checkpoint(checkpoint_dir, Path(t.export_dir) if t.export_dir else output_dir / "export",
+                          overwrite=True)
 
     # -- report ---------------------------------------------------------------------------
     if par.is_main:
@@ -251,7 +260,7 @@ def _train(cfg: DictConfig, settings: RunConfig, generator: VLLMGenerator | None
 def _loop(settings: RunConfig, task, rng: random.Random, tokenizer, trainer: GRPOTrainer,
           offloader: Offloader, generator: VLLMGenerator, logger: MetricsLogger,
           guard: InterruptGuard, par: Parallel, start_step: int, checkpoint_dir: Path,
-          owns_generator: bool) -> None:
+          owns_generator: bool, describe: dict) -> None:
     """The steps, then the final checkpoint; on an interruption or a failure, a checkpoint of
     the last applied step (when the trainer's state is intact) and the engine closed."""
     t = settings.trainer
@@ -263,14 +272,14 @@ def _loop(settings: RunConfig, task, rng: random.Random, tokenizer, trainer: GRP
             train_one_step(step, settings, task, rng, tokenizer, trainer, offloader,
                            generator, logger, guard, done, par)
             if t.checkpoint_every and done["step"] % t.checkpoint_every == 0:
-                _checkpoint(par, checkpoint_dir, trainer, done)
+                _checkpoint(par, checkpoint_dir, trainer, done, describe)
         # The engine first: the checkpoint does not need it, and if writing fails none is left.
         log.info("all %d steps done: closing the engine, then writing the final checkpoint", t.steps)
         if owns_generator:
             generator.close()
         if t.checkpoint_final:
             start = time.perf_counter()
-            _checkpoint(par, checkpoint_dir, trainer, done)
+            _checkpoint(par, checkpoint_dir, trainer, done, describe)
             log.info("final checkpoint of step %d written to %s (%.1f s)", done["step"], checkpoint_dir,
                      time.perf_counter() - start)
     except KeyboardInterrupt as exc:
@@ -280,7 +289,7 @@ def _loop(settings: RunConfig, task, rng: random.Random, tokenizer, trainer: GRP
             log.error("interrupted after %d steps (%s); trainer.parallel=fsdp writes no "
                       "checkpoint on interruption", done["step"], exc)
         elif par.is_main:
-            path = _save(checkpoint_dir, trainer, done)
+            path = _save(checkpoint_dir, trainer, done, describe)
             log.error("interrupted after %d steps (%s); checkpoint written to %s; resume with "
                       "trainer.resume=%s", done["step"], exc, path, checkpoint_dir)
         if owns_generator:
@@ -291,7 +300,7 @@ def _loop(settings: RunConfig, task, rng: random.Random, tokenizer, trainer: GRP
         if owns_generator and generator.process is not None:
             generator.process.close()  # the error itself is what the user needs to see
         if par.is_main:
-            _checkpoint_after_failure(exc, par, checkpoint_dir, trainer, done, start_step,
+            _checkpoint_after_failure(exc, par, checkpoint_dir, trainer, done, start_step, describe,
                                       intact=not guard.update_failed, resumed_from=t.resume)
         raise
 
@@ -304,8 +313,8 @@ def _engine_killer(generator: VLLMGenerator | None):
 
 
 def _checkpoint_after_failure(exc: BaseException, par: Parallel, directory: Path,
-                              trainer: GRPOTrainer, done: dict, start_step: int, *, intact: bool,
-                              resumed_from: str | None) -> None:
+                              trainer: GRPOTrainer, done: dict, start_step: int, describe: dict, *,
+                              intact: bool, resumed_from: str | None) -> None:
     """Write what the failure left intact and say how to go on from it."""
     what = f"{type(exc).__name__} after {done['step']} steps"
     earlier = (f"trainer.resume={resumed_from} still holds step {start_step}" if resumed_from
@@ -320,7 +329,7 @@ def _checkpoint_after_failure(exc: BaseException, par: Parallel, directory: Path
         log.error("%s: no step was applied, nothing new to checkpoint (%s)", what, earlier)
     else:
         try:
-            path = _save(directory, trainer, done)
+            path = _save(directory, trainer, done, describe)
         except CheckpointError as save_error:
             log.error("%s; the checkpoint of step %d could not be written either: %s",
                       what, done["step"], save_error)
@@ -329,11 +338,12 @@ def _checkpoint_after_failure(exc: BaseException, par: Parallel, directory: Path
                   "trainer.resume=%s", what, done["step"], path, directory)
 
 
-def _save(directory: Path, trainer: GRPOTrainer, done: dict, state: dict | None = None) -> Path:
+def _save(directory: Path, trainer: GRPOTrainer, done: dict, describe: dict,
+          state: dict | None = None) -> Path:
     """save_checkpoint, with a failed write (a full disk, a size limit, no permission) reported
     as what it is, naming the directory; the previous checkpoint there stays as it was."""
     try:
-        return save_checkpoint(directory, trainer, done, state=state)
+        return save_checkpoint(directory, trainer, done, state=state, **describe)
     except CheckpointError:
         raise
     except (OSError, RuntimeError) as exc:  # torch.save reports a failed write as a RuntimeError
@@ -353,11 +363,11 @@ def _save(directory: Path, trainer: GRPOTrainer, done: dict, state: dict | None 
                               f"and resume from it with trainer.resume={directory}") from None
 
 
-def _checkpoint(par: Parallel, directory: Path, trainer: GRPOTrainer, done: dict) -> None:
+def _checkpoint(par: Parallel, directory: Path, trainer: GRPOTrainer, done: dict, describe: dict) -> None:
     """Rank 0 writes the checkpoint; under FSDP every rank first helps gather the full state."""
     state = trainer.state_dict() if par.mode == "fsdp" else None
     if par.is_main:
-        _save(directory, trainer, done, state=state)
+        _save(directory, trainer, done, describe, state=state)
 
 
 def prompt_seeds(sampling_seed: int | None, step: int, num_prompts: int, n: int) -> list[int] | None:

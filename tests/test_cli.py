@@ -121,3 +121,35 @@ def test_a_model_path_without_source_hf_trains_that_model(tmp_path):
     """The embedded model never reads model.path: naming a directory means training it."""
     settings = validate(compose_config(f"model.path={tmp_path}"))
     assert settings.model.source == "hf" and settings.model.path == str(tmp_path)
+
+
+def test_resuming_another_shape_or_a_changed_checkpoint_is_refused_before_any_engine(tmp_path, engine_marker):
+    from omegaconf import OmegaConf
+
+    from colo_rl.config import ModelConfig, TrainerConfig
+    from colo_rl.models import load_policy, write_embedded_model
+    from colo_rl.trainer import GRPOTrainer, save_checkpoint
+
+    model_dir = write_embedded_model(ModelConfig(), tmp_path / "model")
+    trainer = GRPOTrainer(load_policy(ModelConfig(), model_dir, "cpu"), TrainerConfig(), pad_token_id=0,
+                          temperature=1.0, max_tokens=8, device="cpu")
+    config = OmegaConf.to_container(compose_config(), resolve=True)
+    checkpoint = save_checkpoint(tmp_path / "checkpoint", trainer, {"step": 1, "task_rng": None},
+                                 config=config, model_dir=model_dir)
+    marker, python = engine_marker
+    common = (python, f"trainer.resume={checkpoint}", f"output_dir={tmp_path / 'run'}", "logger=none")
+    proc = cli(*common, "model.embedded.hidden_size=256", cwd=tmp_path)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in err, err
+    assert f"colo_rl: error: trainer.resume={checkpoint}: this run's config differs from the " \
+           "checkpoint's in model.embedded.hidden_size=256 (the checkpoint: 128)" in err, err
+
+    data = bytearray((checkpoint / "optimizer.safetensors").read_bytes())
+    data[-1] ^= 0x20
+    (checkpoint / "optimizer.safetensors").write_bytes(bytes(data))
+    proc = cli(*common, cwd=tmp_path)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in err, err
+    assert (f"colo_rl: error: {checkpoint / 'optimizer.safetensors'}: its bytes differ from the "
+            "SHA-256 in manifest.json") in err, err
+    assert not marker.exists()

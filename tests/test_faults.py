@@ -29,6 +29,7 @@ from colo_rl.generator.worker import FAULT_ENV
 from colo_rl.run import train
 from colo_rl.rundir import RunDirInUse, RunDirLock
 from colo_rl.trainer import Offloader
+from colo_rl.trainer.checkpoint import read_manifest
 
 from .conftest import ROOT, compose_config, engine_processes, leftovers, shared, small_run_overrides
 from .generator.test_generator import GREEDY, PROMPTS, hf_greedy
@@ -148,7 +149,7 @@ def test_an_impossible_kv_cache_size_fails_before_the_trainer_is_touched(tmp_pat
     was there (resume) is untouched, and no engine process is left."""
     first = tmp_path / "first"
     train(compose_config(*small_run_overrides(first, "logger=none", "trainer.steps=1")))
-    checkpoint = first / "checkpoint" / "trainer.pt"
+    checkpoint = first / "checkpoint" / "manifest.json"  # every file's SHA-256
     saved = checkpoint.read_bytes()
     before = engine_processes()
     with pytest.raises(GeneratorError, match=r"(?s)during start: .*Available memory on node .* is "
@@ -187,9 +188,9 @@ def test_without_restart_on_failure_the_run_stops_with_a_checkpoint_of_its_last_
         with pytest.raises(GeneratorError, match=r"(?s)during generate: .*exited with code -9"):
             train(compose_config(*small_run_overrides(tmp_path, "logger=none")))
     checkpoint = tmp_path / "checkpoint"
-    assert torch.load(checkpoint / "trainer.pt", weights_only=True)["extra"]["step"] == 1
+    assert read_manifest(checkpoint)["step"] == 1
     assert (f"GeneratorError after 1 steps; checkpoint of the last applied step (1) written to "
-            f"{checkpoint / 'trainer.pt'}; resume with trainer.resume={checkpoint}") in caplog.text
+            f"{checkpoint}; resume with trainer.resume={checkpoint}") in caplog.text
     assert engine_processes() == before
     assert leftovers(os.getpid(), keep=shared(engine)) == ([], [])
     assert [r["train/step"] for r in read_metrics(tmp_path)] == [0]

@@ -40,8 +40,9 @@ def torchrun(nproc: int, *overrides: str, **kwargs) -> subprocess.Popen:
 
 
 def model_state(output_dir: Path) -> dict[str, torch.Tensor]:
-    payload = torch.load(output_dir / "checkpoint" / "trainer.pt", map_location="cpu", weights_only=True)
-    return payload["trainer"]["model"]
+    from safetensors.torch import load_file
+
+    return load_file(output_dir / "checkpoint" / "model.safetensors")
 
 
 def kill_tree(proc: subprocess.Popen) -> None:

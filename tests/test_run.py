@@ -15,6 +15,7 @@ import pytest
 
 from colo_rl.models import ModelNotAvailableError
 from colo_rl.run import train
+from colo_rl.trainer.checkpoint import read_manifest
 
 from .conftest import ROOT, compose_config, engine_processes, small_run_overrides
 
@@ -62,7 +63,7 @@ def test_shortened_default_run_logs_every_phase_and_leaves_no_engine(tmp_path):
     else:
         assert summary_reward == records[-1]["reward/mean"]
     assert list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
-    assert (tmp_path / "checkpoint" / "trainer.pt").exists()
+    assert (tmp_path / "checkpoint" / "manifest.json").exists()
     assert engine_processes() == before
 
 
@@ -158,10 +159,7 @@ def test_sigterm_checkpoints_closes_the_engine_and_exits_non_zero(tmp_path):
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
     steps_logged = len(metrics.read_text().splitlines())
-    import torch
-
-    state = torch.load(tmp_path / "checkpoint" / "trainer.pt", weights_only=False)
-    assert state["extra"]["step"] == steps_logged
+    assert read_manifest(tmp_path / "checkpoint")["step"] == steps_logged
     assert "resume with trainer.resume=" in out
     lines = [line for line in out.splitlines() if "set-up: " in line]
     for i, stage in enumerate(("config checked", "model files in", "task target_char ready", "policy of",

@@ -249,5 +249,5 @@ def test_short_grpo_run_finishes_on_the_gpu(tmp_path, sync_mode):
     # AdamW's moments exist from the first optimizer step on, and come back in the background after
     # that; step 0's restore has none (on the H200 its record lacked the key).
     assert [("offloader/restore_background_s" in r) for r in records] == [False, True, True]
-    assert (tmp_path / "checkpoint" / "trainer.pt").exists()
+    assert (tmp_path / "checkpoint" / "manifest.json").exists()
     assert engine_processes() == before

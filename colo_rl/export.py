@@ -1,0 +1,126 @@
+"""`python -m colo_rl.export CHECKPOINT_DIR OUT_DIR [--dtype D]`: a Hugging Face model directory
+from a colo_rl checkpoint, for transformers, vLLM or the Hub.
+
+OUT_DIR gets config.json, the weights as safetensors (sharded past --max-shard-size, with an
+index), the tokenizer files and generation_config.json: `AutoModelForCausalLM.from_pretrained`,
+`AutoTokenizer.from_pretrained` and `vllm serve OUT_DIR` take it as it is. Everything comes
+from the checkpoint itself (its model.safetensors and hf/), verified against its manifest
+first, so the model's original directory or cache is not needed.
+
+The dtype is the checkpoint's `model.dtype` (what the engine served) unless --dtype says
+otherwise; under trainer.precision=mixed the checkpoint holds fp32 masters, which
+`--dtype float32` exports exactly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from colo_rl.cli import run_cli
+from colo_rl.models import DTYPES
+from colo_rl.trainer.checkpoint import (HF_DIR, CheckpointError, read_config, replace_directory,
+                                        verify_checkpoint)
+
+log = logging.getLogger("colo_rl")
+DEFAULT_MAX_SHARD_SIZE = "5GB"  # the Hub's usual shard size
+
+
+def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, *, dtype: str | None = None,
+                      max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE, overwrite: bool = False) -> Path:
+    """Write the Hugging Face model directory `out_dir` from `checkpoint_dir`; returns it.
+
+    `overwrite`: replace an existing `out_dir` (in one step, as checkpoints are replaced)
+    instead of refusing it.
+    """
+    checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
+    manifest = verify_checkpoint(checkpoint_dir)
+    model_cfg = (read_config(checkpoint_dir) or {}).get("model", {})
+    dtype = dtype or model_cfg.get("dtype") or "float32"
+    if dtype not in DTYPES:
+        raise CheckpointError(f"--dtype {dtype}: not a dtype colo_rl exports. Use one of "
+                              f"{', '.join(DTYPES)}")
+    hf = checkpoint_dir / HF_DIR
+    if not (hf / "config.json").is_file():
+        raise CheckpointError(f"{hf / 'config.json'}: missing (the checkpoint was saved without its "
+                              "model directory). Export a checkpoint written by a run")
+    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
+        raise CheckpointError(f"{out_dir}: exists and is not empty. Give a new directory, or remove it")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.partial-"))
+    try:
+        _write_model(checkpoint_dir, manifest, hf, tmp, DTYPES[dtype], max_shard_size,
+                     bool(model_cfg.get("trust_remote_code", False)))
+        if out_dir.exists() and not any(out_dir.iterdir()):
+            out_dir.rmdir()
+        replace_directory(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.info("exported step %s of %s as %s into %s", manifest.get("step"), checkpoint_dir, dtype, out_dir)
+    return out_dir
+
+
+def _write_model(checkpoint_dir: Path, manifest: dict, hf: Path, out: Path, dtype: torch.dtype,
+                 max_shard_size: str | int, trust_remote_code: bool) -> None:
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(hf, trust_remote_code=trust_remote_code)
+    # built without memory on the meta device; the checkpoint's tensors are then assigned to it
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+    tensors = load_file(str(checkpoint_dir / "model.safetensors"))
+    for alias, stored in manifest.get("aliases", {}).get("model", {}).items():
+        tensors[alias] = tensors[stored]
+    missing, unexpected = model.load_state_dict({k: v.to(dtype) for k, v in tensors.items()},
+                                                strict=False, assign=True)
+    if unexpected or [k for k in missing if k not in _tied_names(model)]:
+        raise CheckpointError(f"{checkpoint_dir / 'model.safetensors'}: does not fit the architecture "
+                              f"of {hf / 'config.json'} (missing {missing[:5]}, unexpected "
+                              f"{unexpected[:5]}). Export a checkpoint written by a run")
+    if missing:
+        model.tie_weights()
+    model.config.dtype = dtype
+    model.save_pretrained(out, max_shard_size=max_shard_size)
+    AutoTokenizer.from_pretrained(hf, trust_remote_code=trust_remote_code).save_pretrained(out)
+    if (hf / "generation_config.json").is_file():  # the model's own, not one derived from config
+        shutil.copyfile(hf / "generation_config.json", out / "generation_config.json")
+
+
+def _tied_names(model: torch.nn.Module) -> set[str]:
+    """Parameters that share another's tensor (an untied checkpoint stores them once)."""
+    seen, tied = set(), set()
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) in seen:
+            tied.add(name)
+        seen.add(id(tensor))
+    return tied
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m colo_rl.export",
+        description="Write a Hugging Face model directory (config, safetensors, tokenizer, generation "
+                    "config) from a colo_rl checkpoint directory.")
+    parser.add_argument("checkpoint_dir", help="a checkpoint/ directory written by a run")
+    parser.add_argument("out_dir", help="the model directory to write (new or empty)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES),
+                        help="default: the checkpoint's model.dtype; float32 keeps fp32 masters exactly")
+    parser.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE,
+                        help=f"largest weight file before sharding (default {DEFAULT_MAX_SHARD_SIZE})")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of input errors too")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    run_cli(lambda: export_checkpoint(args.checkpoint_dir, args.out_dir, dtype=args.dtype,
+                                      max_shard_size=args.max_shard_size),
+            argv=["debug=true"] if args.debug else [])
+
+
+if __name__ == "__main__":
+    main()
