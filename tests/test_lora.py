@@ -9,12 +9,14 @@ import sys
 import peft
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from colo_rl.config import ConfigError, LoraConfig, ModelConfig, SamplingConfig, TrainerConfig, validate
 from colo_rl.lora import apply_lora, hf_parameters, merged_weight
 from colo_rl.models import load_policy, write_embedded_model
 from colo_rl.run import train
 from colo_rl.trainer import GRPOTrainer, Offloader, load_checkpoint, save_checkpoint
+from colo_rl.trainer.checkpoint import read_manifest
 
 from .conftest import compose_config, engine_processes, small_run_overrides
 from .generator.test_generator import hf_greedy
@@ -197,7 +199,8 @@ def test_a_lora_run_learns_the_built_in_task_and_logs_its_trainable_parameters(t
     assert sum(rewards[:3]) / 3 < 0.15 and sum(rewards[-3:]) / 3 > 0.6, rewards
     # the adapters of 7 linear layers x 2 decoder layers (r=8 x (in + out)) and of lm_head
     assert {r["train/trainable_params"] for r in result.records} == {34816 + 8 * (128 + 64)}
-    state = torch.load(tmp_path / "checkpoint" / "trainer.pt", weights_only=True)["trainer"]["model"]
+    state = load_file(tmp_path / "checkpoint" / "model.safetensors")
+    assert read_manifest(tmp_path / "checkpoint")["kind"] == "lora"
     assert state and all(".lora_A." in n or ".lora_B." in n for n in state)
 
 

@@ -40,6 +40,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from colo_rl.config import ConfigError
+from colo_rl.lora import is_lora
 from colo_rl.trainer.grpo import GRPOTrainer
 
 FORMAT = "colo_rl-checkpoint"
@@ -100,7 +101,7 @@ def save_checkpoint(directory: str | Path, trainer: GRPOTrainer, extra: dict, st
             (tmp / CONFIG).write_text(OmegaConf.to_yaml(OmegaConf.create(config)))
         if model_dir is not None:
             _copy_hf_files(Path(model_dir), tmp / HF_DIR)
-        _write_manifest(tmp, extra, aliases)
+        _write_manifest(tmp, extra, aliases, "lora" if is_lora(trainer.model) else "full")
         _fsync_tree(tmp)
         replace_directory(tmp, directory)
     except BaseException:
@@ -173,13 +174,15 @@ def _copy_hf_files(model_dir: Path, target: Path) -> None:
             shutil.copyfile(path, target / path.name)  # follows the HF cache's blob symlinks
 
 
-def _write_manifest(tmp: Path, extra: dict, aliases: dict) -> None:
+def _write_manifest(tmp: Path, extra: dict, aliases: dict, kind: str) -> None:
+    """`kind`: "full" (model.safetensors holds every weight) or "lora" (the adapters only,
+    under peft's names; the base is the model's own)."""
     import transformers
 
     files = {str(p.relative_to(tmp)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
              for p in sorted(tmp.rglob("*")) if p.is_file()}
     manifest = {
-        "format": FORMAT, "format_version": FORMAT_VERSION, "kind": "full",
+        "format": FORMAT, "format_version": FORMAT_VERSION, "kind": kind,
         "step": extra.get("step") if isinstance(extra, dict) else None,
         "versions": {"colo_rl": _package_version(), "torch": torch.__version__,
                      "transformers": transformers.__version__},
@@ -373,7 +376,8 @@ def load_checkpoint(directory: str | Path, trainer: GRPOTrainer, *, config: dict
             "the checkpoint was trained with")
     small = _load_small(directory / STATE)
     model = _load_tensors(directory, "model", aliases)
-    _check_shapes(directory, model, trainer.model.state_dict())
+    # what the trainer itself saves: under LoRA the adapters only
+    _check_shapes(directory, model, trainer.state_dict()["model"])
     state = {"model": model, "step_count": small["step_count"],
              "optimizer": _join(small["optimizer"], _load_tensors(directory, "optimizer", aliases))}
     if has_reference:
