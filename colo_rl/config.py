@@ -272,6 +272,9 @@ class TrainerConfig:
         _check(self.checkpoint_every >= 0, "trainer.checkpoint_every", self.checkpoint_every, "must be >= 0")
         _check(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "trainer.betas",
                self.betas, "must be two numbers in [0, 1)")
+        if self.export_final:
+            _check(self.checkpoint_final, "trainer.checkpoint_final", self.checkpoint_final,
+                   "but trainer.export_final=true exports the final checkpoint: set one of them right")
         if self.export_dir is not None:
             _check(self.export_final, "trainer.export_dir", self.export_dir,
                    "is set but trainer.export_final=false: add trainer.export_final=true")

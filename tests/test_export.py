@@ -117,6 +117,8 @@ def test_the_export_command_line(trained, tmp_path):
 def test_export_dir_without_export_final_is_refused_naming_the_key(tmp_path):
     with pytest.raises(ConfigError, match="trainer.export_dir=.* is set but trainer.export_final=false"):
         validate(compose_config(f"trainer.export_dir={tmp_path}"))
+    with pytest.raises(ConfigError, match="trainer.checkpoint_final=False but trainer.export_final=true"):
+        validate(compose_config("trainer.export_final=true", "trainer.checkpoint_final=false"))
     (tmp_path / "file").write_text("")
     with pytest.raises(ConfigError, match="trainer.export_dir=.* is a file"):
         validate(compose_config("trainer.export_final=true", f"trainer.export_dir={tmp_path / 'file'}"))

@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from colo_rl.run import train
 
@@ -36,6 +37,6 @@ def test_a_bf16_lora_run_pushes_merged_weights_the_engine_agrees_with(tmp_path):
         # the engine sampled with the weights the trainer scores with: merged, not the bare base
         assert r["train/engine_logprob_gap"] < BF16_LOGPROB_TOL
     assert records[-1]["train/kl"] > 0  # the reference (adapters disabled) differs once they trained
-    state = torch.load(tmp_path / "checkpoint" / "trainer.pt", weights_only=True)["trainer"]["model"]
+    state = load_file(tmp_path / "checkpoint" / "model.safetensors")
     assert state and all(".lora_" in name and t.dtype == torch.float32 for name, t in state.items())
     assert engine_processes() == before
