@@ -5,7 +5,8 @@ OUT_DIR gets config.json, the weights as safetensors (sharded past --max-shard-s
 index), the tokenizer files and generation_config.json: `AutoModelForCausalLM.from_pretrained`,
 `AutoTokenizer.from_pretrained` and `vllm serve OUT_DIR` take it as it is. Everything comes
 from the checkpoint itself (its model.safetensors and hf/), verified against its manifest
-first, so the model's original directory or cache is not needed.
+first, so the model's original directory or cache is not needed (except for a LoRA checkpoint
+of a hub model: its adapters are merged into the base from model.path).
 
 The dtype is the checkpoint's `model.dtype` (what the engine served) unless --dtype says
 otherwise; under trainer.precision=mixed the checkpoint holds fp32 masters, which
@@ -68,8 +69,24 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, *, dtype:
 
 def _write_model(checkpoint_dir: Path, manifest: dict, hf: Path, out: Path, dtype: torch.dtype,
                  max_shard_size: str | int, trust_remote_code: bool) -> None:
+    from transformers import AutoTokenizer
+
+    if manifest.get("kind") == "lora":
+        model = _merged_lora_model(checkpoint_dir, hf)
+        model.to(dtype)
+    else:
+        model = _full_model(checkpoint_dir, manifest, hf, dtype, trust_remote_code)
+    model.config.dtype = dtype
+    model.save_pretrained(out, max_shard_size=max_shard_size)
+    AutoTokenizer.from_pretrained(hf, trust_remote_code=trust_remote_code).save_pretrained(out)
+    if (hf / "generation_config.json").is_file():  # the model's own, not one derived from config
+        shutil.copyfile(hf / "generation_config.json", out / "generation_config.json")
+
+
+def _full_model(checkpoint_dir: Path, manifest: dict, hf: Path, dtype: torch.dtype,
+                trust_remote_code: bool) -> torch.nn.Module:
     from safetensors.torch import load_file
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(hf, trust_remote_code=trust_remote_code)
     # built without memory on the meta device; the checkpoint's tensors are then assigned to it
@@ -86,11 +103,37 @@ def _write_model(checkpoint_dir: Path, manifest: dict, hf: Path, out: Path, dtyp
                               f"{unexpected[:5]}). Export a checkpoint written by a run")
     if missing:
         model.tie_weights()
-    model.config.dtype = dtype
-    model.save_pretrained(out, max_shard_size=max_shard_size)
-    AutoTokenizer.from_pretrained(hf, trust_remote_code=trust_remote_code).save_pretrained(out)
-    if (hf / "generation_config.json").is_file():  # the model's own, not one derived from config
-        shutil.copyfile(hf / "generation_config.json", out / "generation_config.json")
+    return model
+
+
+def _merged_lora_model(checkpoint_dir: Path, hf: Path) -> torch.nn.Module:
+    """A LoRA checkpoint holds the adapters only: the base comes from where the run had it (the
+    embedded model's seeded init, or model.path), the adapters are merged into it."""
+    from omegaconf import OmegaConf
+    from safetensors.torch import load_file
+
+    from colo_rl.config import LoraConfig, ModelConfig
+    from colo_rl.lora import apply_lora
+    from colo_rl.models import load_policy, resolve_hf_model
+
+    saved = read_config(checkpoint_dir) or {}
+    if "lora" not in saved.get("trainer", {}):
+        raise CheckpointError(f"{checkpoint_dir / 'config.yaml'}: a LoRA checkpoint needs the run's "
+                              "config (trainer.lora, model.*) to rebuild its base. Export a "
+                              "checkpoint written by a run")
+    model_cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), saved["model"]))
+    lora_cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(LoraConfig), saved["trainer"]["lora"]))
+    base_dir = hf if model_cfg.source == "embedded" else resolve_hf_model(model_cfg)
+    adapters = load_file(str(checkpoint_dir / "model.safetensors"))
+    adapter_dtype = next(iter(adapters.values())).dtype
+    model = apply_lora(load_policy(model_cfg, base_dir, "cpu"), lora_cfg, adapter_dtype=adapter_dtype)
+    expected = {name for name, p in model.named_parameters() if p.requires_grad}
+    if set(adapters) != expected:
+        raise CheckpointError(f"{checkpoint_dir / 'model.safetensors'}: its tensors are not the adapters "
+                              f"of trainer.lora={saved['trainer']['lora']} on {base_dir}. Export it with "
+                              "the model it was trained on")
+    model.load_state_dict(adapters, strict=False)
+    return model.merge_and_unload()
 
 
 def _tied_names(model: torch.nn.Module) -> set[str]:

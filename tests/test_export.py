@@ -166,3 +166,30 @@ def test_a_run_with_export_final_leaves_a_model_vllm_serves_with_the_trainers_gr
     assert served.returncode == 0, served.stderr[-3000:]
     line = next(x for x in served.stdout.splitlines() if x.startswith("TOKENS"))
     assert json.loads(line[len("TOKENS"):]) == expected
+
+
+def test_a_lora_checkpoint_exports_its_adapters_merged_into_the_base(tmp_path):
+    """The checkpoint holds the adapters only; export rebuilds the base (the embedded model's
+    seeded init) and merges them: the logits of the model the adapters trained."""
+    import copy
+
+    from colo_rl.config import LoraConfig
+    from colo_rl.lora import apply_lora
+
+    model_dir = write_embedded_model(ModelConfig(), tmp_path / "model")
+    policy = apply_lora(load_policy(ModelConfig(), model_dir, "cpu"), LoraConfig(rank=8),
+                        adapter_dtype=torch.float32)
+    trainer = GRPOTrainer(policy, TrainerConfig(lr=1e-2), pad_token_id=0, temperature=1.0,
+                          max_tokens=8, device="cpu")
+    for completions, rewards in BATCHES:
+        trainer.train_step(PROMPTS, completions, rewards, 2)
+    config = OmegaConf.to_container(compose_config("trainer.lora.rank=8", "trainer.lr=1e-2"), resolve=True)
+    checkpoint = save_checkpoint(tmp_path / "checkpoint", trainer, {"step": 2}, config=config,
+                                 model_dir=model_dir)
+    out = export_checkpoint(checkpoint, tmp_path / "merged")
+    exported = AutoModelForCausalLM.from_pretrained(out)
+    assert not any("lora" in name for name, _ in exported.named_parameters())
+    merged = copy.deepcopy(trainer.model).merge_and_unload()
+    assert torch.equal(logits(exported), logits(merged))
+    base = load_policy(ModelConfig(), model_dir, "cpu")
+    assert not torch.equal(logits(exported), logits(base))  # the adapters trained and are in it
