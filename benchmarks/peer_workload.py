@@ -35,7 +35,8 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without installing colo_rl
 from hold_memory import holding  # noqa: E402  (benchmarks/ is this script's own directory)
 
 WORKLOAD = ["trainer.steps=6", "trainer.prompts_per_step=32", "sampling.n=8",
-            "sampling.max_tokens=256", "sampling.ignore_eos=true", "task.prompt_len=127",
+            "sampling.max_tokens=256", "sampling.ignore_eos=true", "task.toy.prompt_len=127",
+            "eval.every=0",
             "trainer.micro_batch_size=16", "trainer.lr=1e-6", "generator.gpu_memory_utilization=0.5",
             "generator.max_model_len=512", "logger=none", "logger.progress=false"]
 KEYS = ["timing/step_s", "timing/generate_s", "timing/train_s", "timing/generator_total_s", "timing/offload_s",

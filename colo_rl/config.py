@@ -287,30 +287,88 @@ class TrainerConfig:
 
 
 @dataclass
+class ToyConfig:
+    """The built-in toy tasks' prompts: random strings over `alphabet`, generated from task.seed."""
+
+    target: str = "a"  # target_char: the character to emit
+    prompt_len: int = 4  # random characters per prompt
+    alphabet: str = "abcdefghijklmnopqrstuvwxyz"
+
+    def __post_init__(self) -> None:
+        _check(len(self.target) == 1, "task.toy.target", self.target, "must be one character")
+        _check(self.prompt_len >= 1, "task.toy.prompt_len", self.prompt_len, "must be >= 1")
+        _check(len(self.alphabet) >= 1, "task.toy.alphabet", self.alphabet,
+               "must hold at least one character (prompts are drawn from it)")
+
+
+@dataclass
+class DatasetConfig:
+    """A Hugging Face dataset read offline: a local JSON/JSONL/CSV/Parquet file, a save_to_disk
+    directory, or a hub dataset id already in the local cache."""
+
+    path: Optional[str] = None
+    split: str = "train"  # slices work for files and hub data: train[:90%]
+    eval_split: Optional[str] = None  # held-out prompts; null: eval.size rows held out of `split`
+    prompt_column: Optional[str] = "prompt"  # plain text, wrapped by model.prompt_template
+    messages_column: Optional[str] = None  # chat format [{role, content}, ...]; replaces prompt_column
+    reward_columns: Optional[list[str]] = None  # passed to the reward functions; null: all other columns
+
+    def __post_init__(self) -> None:
+        _check(bool(self.prompt_column) or bool(self.messages_column), "task.dataset.prompt_column",
+               self.prompt_column, "or task.dataset.messages_column must name the column prompts are in")
+
+
+@dataclass
 class TaskConfig:
     """Where prompts come from and how completions are scored."""
 
     name: str = "target_char"
-    kind: str = "target_char"  # target_char | copy | math_jsonl
-    target: str = "a"  # target_char: the character to emit
-    prompt_len: int = 4  # target_char / copy: random characters per prompt
-    alphabet: str = "abcdefghijklmnopqrstuvwxyz"
-    path: Optional[str] = None  # math_jsonl: a local JSONL file
-    question_key: str = "question"
-    answer_key: str = "answer"
-    seed: int = 0
+    kind: str = "target_char"  # target_char | copy (built-in toys) | dataset (task.dataset)
+    # reward functions by import path (module:function) or built-in name; their weighted sum is
+    # the GRPO reward
+    rewards: list[str] = field(default_factory=lambda: ["target_char"])
+    reward_weights: list[float] = field(default_factory=list)  # one per reward; empty: all 1
+    # longer prompts are skipped (counted and logged); null: generator.max_model_len - sampling.max_tokens
+    max_prompt_tokens: Optional[int] = None
+    seed: int = 0  # the order prompts are drawn in (shuffled epochs), and the toys' rows
+    toy: ToyConfig = field(default_factory=ToyConfig)
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)
 
     def __post_init__(self) -> None:
-        _one_of("task.kind", self.kind, ("target_char", "copy", "math_jsonl"))
-        _check(self.prompt_len >= 1, "task.prompt_len", self.prompt_len, "must be >= 1")
-        if self.kind in ("target_char", "copy"):
-            _check(len(self.alphabet) >= 1, "task.alphabet", self.alphabet,
-                   "must hold at least one character (prompts are drawn from it)")
-        if self.kind == "target_char":
-            _check(len(self.target) == 1, "task.target", self.target, "must be one character")
-        if self.kind == "math_jsonl":
-            _check(bool(self.path) and os.path.isfile(str(self.path)), "task.path", self.path,
-                   "must be an existing JSONL file of {question, answer} records for task.kind=math_jsonl")
+        _one_of("task.kind", self.kind, ("target_char", "copy", "dataset"))
+        _check(len(self.rewards) >= 1, "task.rewards", self.rewards,
+               "must name at least one reward function (module:function)")
+        _check(not self.reward_weights or len(self.reward_weights) == len(self.rewards),
+               "task.reward_weights", self.reward_weights,
+               f"must give one weight per task.rewards entry ({len(self.rewards)}), or be empty")
+        if self.max_prompt_tokens is not None:
+            _check(self.max_prompt_tokens >= 1, "task.max_prompt_tokens", self.max_prompt_tokens,
+                   "must be >= 1 (or null)")
+        if self.kind == "dataset":
+            _check(bool(self.dataset.path), "task.dataset.path", self.dataset.path,
+                   "must name a local file, a save_to_disk directory or a cached hub dataset "
+                   "for task.kind=dataset")
+
+
+@dataclass
+class EvalConfig:
+    """Held-out evaluation through the same engine: before the first step, every `every` steps
+    (in the same wake as that step's rollouts) and after the last."""
+
+    every: int = 10  # steps; 0: no evaluation
+    size: int = 32  # held-out prompts per evaluation (the first of the held-out set)
+    n: int = 1  # completions per prompt: eval/pass_at_<n>
+    temperature: float = 0.0  # greedy by default
+    pass_reward: float = 1.0  # a completion passes when its reward is at least this
+
+    def __post_init__(self) -> None:
+        _check(self.every >= 0, "eval.every", self.every, "must be >= 0 (0: no evaluation)")
+        _check(self.size >= 1, "eval.size", self.size, "must be >= 1")
+        _check(self.n >= 1, "eval.n", self.n, "must be >= 1")
+        _check(self.temperature >= 0, "eval.temperature", self.temperature, "must be >= 0")
+        if self.temperature == 0:
+            _check(self.n == 1, "eval.n", self.n,
+                   "must be 1 with eval.temperature=0 (greedy copies would be identical)")
 
 
 @dataclass
@@ -325,10 +383,12 @@ class LoggerConfig:
     name: Optional[str] = None  # default in multirun: the job's overrides
     tags: list[str] = field(default_factory=list)
     progress: bool = True  # one progress bar over steps
+    log_completions: int = 8  # first completions of each step to samples.jsonl and a W&B table
 
     def __post_init__(self) -> None:
         _one_of("logger.backend", self.backend, ("wandb", "none"))
         _one_of("logger.mode", self.mode, ("auto", "online", "offline", "disabled"))
+        _check(self.log_completions >= 0, "logger.log_completions", self.log_completions, "must be >= 0")
 
 
 @dataclass
@@ -340,6 +400,7 @@ class RunConfig:
     generator: GeneratorConfig = field(default_factory=GeneratorConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     output_dir: Optional[str] = None  # default: Hydra's runtime.output_dir
     debug: bool = False  # true: input errors show their traceback too (colo_rl.cli)
@@ -398,6 +459,11 @@ def validate(cfg: DictConfig | RunConfig) -> RunConfig:
     if s.max_tokens >= g.max_model_len:
         raise ConfigError(f"sampling.max_tokens={s.max_tokens} must be below generator.max_model_len="
                           f"{g.max_model_len} (prompt and completion share it)")
+    p = settings.task.max_prompt_tokens
+    if p is not None and p + s.max_tokens > g.max_model_len:
+        raise ConfigError(f"task.max_prompt_tokens={p} + sampling.max_tokens={s.max_tokens} exceed "
+                          f"generator.max_model_len={g.max_model_len}: the engine would cut completions "
+                          f"short; lower one or raise generator.max_model_len")
     if g.device == "cpu" and g.weight_sync == "cuda_ipc":
         raise ConfigError("generator.weight_sync=cuda_ipc needs a CUDA GPU but generator.device=cpu: "
                           "use generator.weight_sync=file")

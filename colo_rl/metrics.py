@@ -16,7 +16,7 @@ from colo_rl.rundir import drop_records_from
 STEP_KEY = "train/step"
 # Phases of a step in the order they happen; the summary table and dashboards use this order.
 PHASES = ("offload", "stage", "server_start", "wake_weights", "weight_load", "wake_kv", "generate",
-          "sleep", "restore", "score", "train")
+          "eval", "sleep", "restore", "score", "train")
 # The phases that hand the GPU between trainer and engine: timing/switch_s is their sum.
 SWITCH_PHASES = ("offload", "stage", "wake_weights", "weight_load", "wake_kv", "sleep", "restore")
 
@@ -47,11 +47,13 @@ class MetricsLogger:
         self.config, self.group, self.name = config, cfg.group or group, cfg.name or name
         self.total_steps, self.initial_step = total_steps, initial_step
         self.path = self.output_dir / "metrics.jsonl"
+        self.samples_path = self.output_dir / "samples.jsonl"
         self.records: list[dict] = []
         self.run = None
         self.final_summary: dict | None = None  # offline W&B runs cannot be read back from disk
         self.final_config: dict | None = None
         self._file = None
+        self._samples = None
         self._bar = None
         self._next_extra: dict[str, float] = {}
 
@@ -66,6 +68,7 @@ class MetricsLogger:
         # A run resumed into its own directory logs again the steps after its checkpoint
         drop_records_from(self.path, self.initial_step, STEP_KEY)
         self._file = open(self.path, "a")
+        self._samples = open(self.samples_path, "a")
         if self.cfg.backend == "wandb":
             self._start_wandb()
         if self.cfg.progress:
@@ -87,6 +90,7 @@ class MetricsLogger:
         self.run.define_metric("timing/*", step_metric=STEP_KEY, summary="mean")
         self.run.define_metric("memory/*", step_metric=STEP_KEY, summary="min")
         self.run.define_metric("reward/*", step_metric=STEP_KEY, summary="max")
+        self.run.define_metric("eval/*", step_metric=STEP_KEY, summary="last")
 
     def phase(self, name: str) -> None:
         """Show the phase the step is in on the progress bar."""
@@ -97,7 +101,9 @@ class MetricsLogger:
         reward = self.records[-1].get("reward/mean") if self.records else None
         return f"reward={reward:.3f} phase={phase}" if reward is not None else f"phase={phase}"
 
-    def log(self, step: int, metrics: dict[str, float]) -> None:
+    def log(self, step: int, metrics: dict[str, float], count_step: bool = True) -> None:
+        """One record; `count_step=False` for a record that is not a training step (the final
+        evaluation): the progress bar does not advance."""
         record = {STEP_KEY: step, **self._next_extra, **metrics}
         self._next_extra = {}
         self.records.append(record)
@@ -107,15 +113,34 @@ class MetricsLogger:
         self._file.flush()
         if self.run is not None:
             self.run.log(record)
-        if self._bar is not None:
+        if self._bar is not None and count_step:
             self._bar.update(1)
             self._bar.set_postfix_str(self._postfix("done"), refresh=True)
+
+    def log_samples(self, rows: list[dict]) -> None:
+        """Completions to read: appended to samples.jsonl, and a W&B table of the step's."""
+        if not self.enabled or not rows:
+            return
+        for row in rows:
+            self._samples.write(json.dumps(row) + "\n")
+        self._samples.flush()
+        if self.run is not None:
+            import wandb
+
+            names = list(rows[0]["rewards"])
+            columns = ["step", "prompt", "completion", "reward", *names, "advantage"]
+            table = wandb.Table(columns=columns, data=[
+                [r["step"], str(r["prompt"]), r["completion"], r["reward"],
+                 *(r["rewards"][n] for n in names), r["advantage"]] for r in rows])
+            self.run.log({STEP_KEY: rows[0]["step"], "samples/completions": table})
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if self._bar is not None:
             self._bar.close()
         if self._file is not None:
             self._file.close()
+        if self._samples is not None:
+            self._samples.close()
         if self.run is not None:
             self.final_summary = _plain(self.run.summary)
             self.final_config = dict(self.run.config)
@@ -156,6 +181,8 @@ def print_summary(records: list[dict], output_dir: Path) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    evals = [r for r in records if "eval/reward/mean" in r]
+    records = [r for r in records if "reward/mean" in r]  # training steps, not the final evaluation
     if not records:
         return
     table = Table(title=f"colo_rl: {len(records)} steps ({output_dir})")
@@ -178,6 +205,12 @@ def print_summary(records: list[dict], output_dir: Path) -> None:
     first = mean(r["reward/mean"] for r in records[:window])
     last = mean(r["reward/mean"] for r in records[-window:])
     console.print(f"reward/mean: first {window} steps {first:.3f} -> last {window} steps {last:.3f}")
+    if evals:
+        first_eval, last_eval = evals[0], evals[-1]
+        shown = [k for k in first_eval if k.startswith("eval/") and k != "eval/prompts"]
+        console.print(f"held-out evaluation ({first_eval['eval/prompts']:.0f} prompts): " + ", ".join(
+            f"{k} {first_eval[k]:.3f} (step {first_eval[STEP_KEY]}) -> {last_eval.get(k, math.nan):.3f} "
+            f"(step {last_eval[STEP_KEY]})" for k in shown))
     peaks = [r["memory/trainer_peak_gib"] for r in records if "memory/trainer_peak_gib" in r]
     if peaks:
         console.print(f"trainer peak GPU memory: {max(peaks):.2f} GiB")

@@ -26,6 +26,10 @@ for _noisy in ("torchao", "torch.utils._pytree"):
 
 PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
 CHARACTERS = string.ascii_lowercase + string.digits + " :.,;?!-+=*/()'\"_#"
+# A chat template in the embedded tokenizer's alphabet (lower case, no newline), so chat-format
+# prompts and model.use_chat_template run end to end without a hub model.
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }};{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -58,6 +62,7 @@ def write_embedded_model(cfg: ModelConfig, directory: str | os.PathLike) -> Path
     hf_tok = PreTrainedTokenizerFast(tokenizer_object=_char_tokenizer(e.vocab_size),
                                      bos_token=BOS, eos_token=EOS, pad_token=PAD)
     hf_tok.model_max_length = e.max_position_embeddings
+    hf_tok.chat_template = CHAT_TEMPLATE
     hf_tok.save_pretrained(path)
     config = Olmo2Config(
         vocab_size=e.vocab_size, hidden_size=e.hidden_size, intermediate_size=e.intermediate_size,

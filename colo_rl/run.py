@@ -14,7 +14,6 @@ if __name__ == "__main__":  # torch, transformers and the rest take seconds to i
 
 import logging
 import os
-import random
 import shutil
 import signal
 import time
@@ -29,20 +28,21 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from colo_rl.cli import boundary, run_cli
-from colo_rl.config import (ConfigError, RunConfig, package_dir, register_configs, resolve_device,
-                            trainer_precision, validate)
+from colo_rl.config import (ConfigError, RunConfig, SamplingConfig, package_dir, register_configs,
+                            resolve_device, trainer_precision, validate)
 from colo_rl.export import export_checkpoint
-from colo_rl.generator import GeneratorError, VLLMGenerator
+from colo_rl.generator import GeneratorError, Rollouts, VLLMGenerator
 from colo_rl.lora import load_trainer_policy
 from colo_rl.metrics import SWITCH_PHASES, MetricsLogger, print_summary
 from colo_rl.models import DTYPES, load_tokenizer, prepare_model_dir
 from colo_rl.parallel import Parallel, reduce_step_metrics
 from colo_rl.rundir import RunDirLock
-from colo_rl.tasks import make_task
+from colo_rl.tasks import Batch, Task
 from colo_rl.timing import SetupStages, StepTimer, engine_log_status, host_metrics
 from colo_rl.trainer import (CheckpointError, GRPOTrainer, Offloader, TrainingDiverged, load_checkpoint,
                              save_checkpoint)
 from colo_rl.trainer.checkpoint import check_compatible
+from colo_rl.trainer.grpo import group_advantages
 
 log = logging.getLogger("colo_rl")
 register_configs()
@@ -122,14 +122,6 @@ def _hydra_run_info() -> tuple[Path | None, str | None, str | None]:
     return Path(hc.runtime.output_dir), None, None
 
 
-def encode_prompts(texts: list[str], tokenizer, settings: RunConfig) -> list[list[int]]:
-    template = settings.model.prompt_template
-    if settings.model.use_chat_template:
-        return [tokenizer.apply_chat_template([{"role": "user", "content": template.format(prompt=t)}],
-                                              add_generation_prompt=True, tokenize=True) for t in texts]
-    return [tokenizer(template.format(prompt=t)).input_ids for t in texts]
-
-
 @dataclass
 class RunResult:
     """What a finished run leaves besides its files: the metrics of every step, the final
@@ -186,9 +178,8 @@ def _train(cfg: DictConfig, settings: RunConfig, generator: VLLMGenerator | None
                                    if par.is_main else None))
     tokenizer = load_tokenizer(settings.model, model_dir)
     stages.mark("tokenizer", f"model files in {model_dir}, tokenizer of {len(tokenizer)} tokens")
-    task = make_task(settings.task)
-    stages.mark("task", f"task {settings.task.name} ready")
-    rng = random.Random(settings.task.seed)
+    task = Task.setup(settings, tokenizer)  # data, prompt lengths, rewards: before any engine
+    stages.mark("task", f"task {settings.task.name} ready: {len(task.train)} training prompts")
     torch.manual_seed(t.seed)
     policy = load_trainer_policy(settings, model_dir, device)
     mixed = trainer_precision(settings) == "mixed"
@@ -203,7 +194,7 @@ def _train(cfg: DictConfig, settings: RunConfig, generator: VLLMGenerator | None
     start_step = 0
     if t.resume:
         extra = load_checkpoint(t.resume, trainer)  # its config was compared above
-        rng.setstate(extra["task_rng"])
+        task.sampler.load_state(extra["sampler"])
         start_step = extra["step"]
         if start_step >= t.steps:
             raise ConfigError(f"trainer.resume={t.resume} holds a run that already did {start_step} "
@@ -240,10 +231,9 @@ def _train(cfg: DictConfig, settings: RunConfig, generator: VLLMGenerator | None
                                enabled=par.is_main)
         with logger:
             stages.mark("logger", f"logging to {logger.path}" + (" and a W&B run" if logger.run else ""))
-            logger.add_to_next(stages.finish())
-            _loop(settings, task, rng, tokenizer, trainer, offloader, generator, logger, guard, par,
-                  start_step, checkpoint_dir, owns_generator,
-                  {"config": resolved, "model_dir": model_dir})
+            logger.add_to_next({**stages.finish(), **task.setup_metrics})
+            _loop(settings, task, trainer, offloader, generator, logger, guard, par, start_step,
+                  checkpoint_dir, owns_generator, {"config": resolved, "model_dir": model_dir})
     if t.export_final and par.is_main:
         export_checkpoint(checkpoint_dir, Path(t.export_dir) if t.export_dir else output_dir / "export",
                           overwrite=True)
@@ -251,28 +241,30 @@ def _train(cfg: DictConfig, settings: RunConfig, generator: VLLMGenerator | None
     # -- report ---------------------------------------------------------------------------
     if par.is_main:
         print_summary(logger.records, output_dir)
-    tail = logger.records[-max(1, min(5, len(logger.records))):]
+    steps = [r for r in logger.records if "reward/mean" in r]  # not the final evaluation's record
+    tail = steps[-max(1, min(5, len(steps))):]
     return RunResult(output_dir, logger.records,
                      mean(r["reward/mean"] for r in tail) if tail else float("nan"),
                      logger.final_summary, logger.final_config)
 
 
-def _loop(settings: RunConfig, task, rng: random.Random, tokenizer, trainer: GRPOTrainer,
-          offloader: Offloader, generator: VLLMGenerator, logger: MetricsLogger,
-          guard: InterruptGuard, par: Parallel, start_step: int, checkpoint_dir: Path,
-          owns_generator: bool, describe: dict) -> None:
+def _loop(settings: RunConfig, task: Task, trainer: GRPOTrainer, offloader: Offloader,
+          generator: VLLMGenerator, logger: MetricsLogger, guard: InterruptGuard, par: Parallel,
+          start_step: int, checkpoint_dir: Path, owns_generator: bool, describe: dict) -> None:
     """The steps, then the final checkpoint; on an interruption or a failure, a checkpoint of
     the last applied step (when the trainer's state is intact) and the engine closed."""
     t = settings.trainer
-    # `done` is what a checkpoint holds: steps fully applied and logged, and the task sampler's
-    # state before the next step, so a resumed run draws the same prompts as an uninterrupted one.
-    done = {"step": start_step, "task_rng": rng.getstate()}
+    # `done` is what a checkpoint holds: steps fully applied and logged, and the prompt sampler's
+    # position before the next step, so a resumed run draws the same prompts as an uninterrupted one.
+    done = {"step": start_step, "sampler": task.sampler.state()}
     try:
         for step in range(start_step, t.steps):
-            train_one_step(step, settings, task, rng, tokenizer, trainer, offloader,
-                           generator, logger, guard, done, par)
+            train_one_step(step, settings, task, trainer, offloader, generator, logger, guard,
+                           done, par)
             if t.checkpoint_every and done["step"] % t.checkpoint_every == 0:
                 _checkpoint(par, checkpoint_dir, trainer, done, describe)
+        if task.held_out is not None:
+            final_evaluation(t.steps, settings, task, trainer, offloader, generator, logger, par)
         # The engine first: the checkpoint does not need it, and if writing fails none is left.
         log.info("all %d steps done: closing the engine, then writing the final checkpoint", t.steps)
         if owns_generator:
@@ -379,38 +371,102 @@ def prompt_seeds(sampling_seed: int | None, step: int, num_prompts: int, n: int)
     return [(base + i * n) % 2**31 for i in range(num_prompts)]
 
 
-def train_one_step(step: int, settings: RunConfig, task, rng: random.Random, tokenizer,
-                   trainer: GRPOTrainer, offloader: Offloader, generator: VLLMGenerator,
-                   logger: MetricsLogger, guard: InterruptGuard, done: dict,
-                   par: Parallel | None = None) -> None:
+def eval_sampling(settings: RunConfig) -> SamplingConfig:
+    """How held-out prompts are sampled: eval.n completions at eval.temperature (greedy by
+    default), with the training run's length and stop settings and a fixed seed."""
+    s, e = settings.sampling, settings.eval
+    return SamplingConfig(name="eval", n=e.n, temperature=e.temperature, max_tokens=s.max_tokens,
+                          stop=list(s.stop), seed=s.seed, logprobs=False)
+
+
+def _eval_shard(task: Task, par: Parallel) -> Batch:
+    """This rank's share of the held-out prompts (every world_size-th, so any count splits)."""
+    return task.held_out.slice(slice(par.rank, None, par.world_size))
+
+
+def evaluation_metrics(task: Task, batch: Batch, rollouts: Rollouts, settings: RunConfig,
+                       step: int, par: Parallel) -> dict[str, float]:
+    """eval/*: the held-out prompts' mean reward (and each function's), the share of prompts
+    with a completion reaching eval.pass_reward (pass@n), and the completions' mean length."""
+    e = settings.eval
+    totals, values = task.score(batch, rollouts.texts, e.n, f"at step {step} (evaluation)")
+    lengths = [len(ids) for ids in rollouts.completion_ids]
+    passed = [max(totals[i:i + e.n]) >= e.pass_reward for i in range(0, len(totals), e.n)]
+    gathered = par.gather((totals, values, lengths, passed))
+    totals = [x for g in gathered for x in g[0]]
+    values = {name: [v for g in gathered for v in g[1][name]] for name in values}
+    lengths = [x for g in gathered for x in g[2]]
+    passed = [x for g in gathered for x in g[3]]
+    return {"eval/reward/mean": mean(totals), **task.rewards.metrics(values, "eval/reward/"),
+            f"eval/pass_at_{e.n}": float(mean(passed)), "eval/mean_length": float(mean(lengths)),
+            "eval/prompts": float(len(passed))}
+
+
+def final_evaluation(step: int, settings: RunConfig, task: Task, trainer: GRPOTrainer,
+                     offloader: Offloader, generator: VLLMGenerator, logger: MetricsLogger,
+                     par: Parallel) -> None:
+    """The held-out evaluation of the trained policy, in a wake of its own; logged as a record
+    of its own at `step` (the number of steps trained)."""
+    logger.phase("eval")
+    batch = _eval_shard(task, par)
+    start = time.perf_counter()
+    rollouts = generator.generate(batch.prompt_ids, eval_sampling(settings), model=trainer.model,
+                                  offloader=offloader)
+    metrics = evaluation_metrics(task, batch, rollouts, settings, step, par)
+    metrics["timing/eval_s"] = time.perf_counter() - start
+    logger.log(step, metrics, count_step=False)
+
+
+def sample_rows(step: int, batch: Batch, texts: list[str], rewards: list[float],
+                values: dict[str, list], settings: RunConfig) -> list[dict]:
+    """The first logger.log_completions completions of the step, each with its prompt, every
+    reward function's value, the weighted reward and the GRPO advantage."""
+    n, count = settings.sampling.n, settings.logger.log_completions
+    advantages = group_advantages(torch.tensor(rewards, dtype=torch.float64), n,
+                                  settings.trainer.advantage_norm, std=settings.trainer.advantage_std).tolist()
+    prompts, _ = batch.repeated(n)
+    return [{"step": step, "prompt": prompts[i], "completion": texts[i], "reward": rewards[i],
+             "rewards": {name: vals[i] for name, vals in values.items()},
+             "advantage": advantages[i]} for i in range(min(count, len(texts)))]
+
+
+def train_one_step(step: int, settings: RunConfig, task: Task, trainer: GRPOTrainer,
+                   offloader: Offloader, generator: VLLMGenerator, logger: MetricsLogger,
+                   guard: InterruptGuard, done: dict, par: Parallel | None = None) -> None:
     """Sample prompts, generate, score, update, log: one RL step. Under data parallelism every
-    rank draws the same global batch and works on its shard; the metrics are reduced."""
+    rank draws the same global batch and works on its shard; the metrics are reduced. When an
+    evaluation is due, the held-out prompts are generated in the same wake as the rollouts."""
     par = par or Parallel.single()
-    s = settings.sampling
+    s, e = settings.sampling, settings.eval
     timer = StepTimer()
     step_start = time.perf_counter()
-    global_prompts = task.sample(settings.trainer.prompts_per_step, rng)
-    seeds = prompt_seeds(s.seed, step, len(global_prompts), s.n)
-    shard = par.shard(global_prompts)
-    prompts, seed = global_prompts[shard], seeds[shard] if seeds is not None else None
-    prompt_ids = encode_prompts([p.text for p in prompts], tokenizer, settings)
+    global_batch = task.next_batch(settings.trainer.prompts_per_step)
+    seeds = prompt_seeds(s.seed, step, len(global_batch), s.n)
+    shard = par.shard(global_batch.prompts)
+    batch, seed = global_batch.slice(shard), seeds[shard] if seeds is not None else None
+    evaluating = task.held_out is not None and step % e.every == 0
+    eval_batch = _eval_shard(task, par) if evaluating else None
     logger.phase("generate")
+    request = dict(model=trainer.model, offloader=offloader, seed=seed,
+                   eval_batch=(eval_batch.prompt_ids, eval_sampling(settings)) if evaluating else None)
     try:
-        rollouts = generator.generate(prompt_ids, s, model=trainer.model, offloader=offloader, seed=seed)
+        rollouts = generator.generate(batch.prompt_ids, s, **request)
     except GeneratorError as exc:
         if not settings.generator.restart_on_failure:
             raise
         log.error("step %d: %s; generator.restart_on_failure=true: starting a fresh engine", step, exc)
-        rollouts = generator.generate(prompt_ids, s, model=trainer.model, offloader=offloader, seed=seed)
+        rollouts = generator.generate(batch.prompt_ids, s, **request)
         rollouts.metrics["generator/restarts"] = 1.0
     logger.phase("train")
     with timer.phase("score"):
-        rewards = [task.score(prompts[i // s.n], text) for i, text in enumerate(rollouts.texts)]
+        rewards, values = task.score(batch, rollouts.texts, s.n, f"at step {step}")
+        eval_metrics = (evaluation_metrics(task, eval_batch, rollouts.evaluation, settings, step, par)
+                        if evaluating else {})
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     with guard.deferred():  # an interrupt waits until this step is applied and logged
         with timer.phase("train"):
-            train_metrics = trainer.train_step(prompt_ids, rollouts.completion_ids, rewards, s.n,
+            train_metrics = trainer.train_step(batch.prompt_ids, rollouts.completion_ids, rewards, s.n,
                                                engine_logprobs=rollouts.logprobs)
         metrics = {**rollouts.metrics, **timer.metrics, **train_metrics, **offloader.background_stats(),
                    "train/trainable_params": float(trainer.trainable_params)}
@@ -426,12 +482,16 @@ def train_one_step(step: int, settings: RunConfig, task, rng: random.Random, tok
             "reward/mean": mean(rewards),
             "reward/max": max(rewards),
             "reward/min": min(rewards),
+            **task.rewards.metrics(values),
         })
         if par.enabled:
             gathered = par.gather((metrics, rewards))
             metrics = reduce_step_metrics([m for m, _ in gathered], [r for _, r in gathered])
+        metrics.update(eval_metrics)
         logger.log(step, metrics)
-        done.update(step=step + 1, task_rng=rng.getstate())
+        if settings.logger.log_completions:
+            logger.log_samples(sample_rows(step, batch, rollouts.texts, rewards, values, settings))
+        done.update(step=step + 1, sampler=task.sampler.state())
     limit = settings.trainer.max_nonfinite_steps
     if trainer.nonfinite_in_a_row >= limit:
         raise TrainingDiverged(

@@ -19,7 +19,7 @@ from .conftest import ROOT, compose_config
 
 # The wrong inputs, one subprocess each: (overrides, what the one error line must contain)
 BAD_INPUTS = {
-    "missing_task_path": (["task=gsm8k"], "task.path"),
+    "missing_task_path": (["task=gsm8k"], "task.dataset.path"),
     "model_not_in_cache": (["model=olmo2", "sampling=greedy"], "model.path=allenai/OLMo-2-0425-1B is "
                                                              "not in the local Hugging Face cache"),
     "path_without_source_hf": (["model.path=/no/such/model"], "model.path=/no/such/model: the "

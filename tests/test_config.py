@@ -17,10 +17,12 @@ EXPERIMENT_NAMES = sorted(p.stem for p in (EXPERIMENTS / "experiment").glob("*.y
 @pytest.mark.parametrize("group,choice", CHOICES, ids=[f"{g}={c}" for g, c in CHOICES])
 def test_every_group_option_composes_and_validates(group, choice, tmp_path):
     overrides = [f"{group}={choice}"]
-    if (group, choice) == ("task", "gsm8k"):
+    if (group, choice) in (("task", "gsm8k"), ("task", "dataset")):
         data = tmp_path / "gsm8k.jsonl"
         data.write_text('{"question": "1+1?", "answer": "#### 2"}\n')
-        overrides.append(f"task.path={data}")
+        overrides.append(f"task.dataset.path={data}")
+    if (group, choice) == ("task", "dataset"):
+        overrides.append("task.rewards=[my_rewards:correct]")
     cfg = compose_config(*overrides)
     settings = validate(cfg)
     assert isinstance(settings, RunConfig)
@@ -33,7 +35,7 @@ def test_every_group_option_composes_and_validates(group, choice, tmp_path):
 def test_every_experiment_composes(name, tmp_path):
     data = tmp_path / "gsm8k.jsonl"
     data.write_text('{"question": "1+1?", "answer": "#### 2"}\n')
-    cfg = compose_config(f"experiment={name}", f"task.path={data}") if "gsm8k" in name else \
+    cfg = compose_config(f"experiment={name}", f"task.dataset.path={data}") if "gsm8k" in name else \
         compose_config(f"experiment={name}")
     validate(cfg)
     first_line = (EXPERIMENTS / "experiment" / f"{name}.yaml").read_text().splitlines()[1]
@@ -101,7 +103,17 @@ def test_truncated_importance_sampling_needs_the_engines_logprobs_at_the_trainer
     ("sampling.top_p=0", "sampling.top_p"),
     ("sampling.max_tokens=300", "sampling.max_tokens=300 must be below generator.max_model_len"),
     ("trainer.offload=everything", "trainer.offload"),
-    ("task.target=ab", "task.target"),
+    ("task.toy.target=ab", "task.toy.target"),
+    ("task.kind=csv", "task.kind"),
+    ("task.rewards=[]", "task.rewards"),
+    ("task.reward_weights=[1.0,2.0]", "task.reward_weights"),
+    ("task.max_prompt_tokens=0", "task.max_prompt_tokens"),
+    ("task.max_prompt_tokens=250", "task.max_prompt_tokens=250 \\+ sampling.max_tokens=16 exceed generator.max_model_len=256"),
+    ("task.kind=dataset", "task.dataset.path"),
+    ("eval.every=-1", "eval.every"),
+    ("eval.size=0", "eval.size"),
+    ("eval.n=4", "eval.n=4 must be 1 with eval.temperature=0"),
+    ("logger.log_completions=-1", "logger.log_completions"),
     ("model.prompt_template=no_placeholder", "model.prompt_template"),
     ("generator.python=/nonexistent/python", "generator.python"),
     ("trainer.resume=/nonexistent/checkpoint", "trainer.resume"),
@@ -156,8 +168,8 @@ def test_cuda_on_a_machine_without_cuda_is_refused_naming_the_key(key):
 
 @pytest.mark.parametrize("task", ["target_char", "copy"])
 def test_an_empty_alphabet_is_refused_naming_the_key(task):
-    with pytest.raises(ConfigError, match=r"task.alphabet='' must hold at least one character"):
-        validate(compose_config(f"task={task}", "task.alphabet="))
+    with pytest.raises(ConfigError, match=r"task.toy.alphabet='' must hold at least one character"):
+        validate(compose_config(f"task={task}", "task.toy.alphabet="))
 
 
 def test_a_generator_python_without_the_workers_dependencies_is_refused_saying_what_to_install(tmp_path):

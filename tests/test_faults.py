@@ -202,50 +202,50 @@ def test_without_restart_on_failure_the_run_stops_with_a_checkpoint_of_its_last_
     assert [r["train/step"] for r in read_metrics(tmp_path)] == [0, 1, 2]
 
 
-class RaisingReward:
-    """A task whose reward function raises in step `fail_at` (a user's bug in their own code)."""
+RAISING_REWARD = """
+import os
+from colo_rl.rewards import target_char
 
-    def __init__(self, task, fail_at: int, per_step: int):
-        self.task, self.calls, self.fail_after = task, 0, fail_at * per_step
+CALLS = []
 
-    def sample(self, count, rng):
-        return self.task.sample(count, rng)
-
-    def score(self, prompt, completion):
-        self.calls += 1
-        if self.calls > self.fail_after:
-            raise ZeroDivisionError("the reward function's own bug")
-        return self.task.score(prompt, completion)
+def raising(prompts, completions, target, **columns):
+    \"\"\"target_char, but with a bug that shows in step `COLO_RL_TEST_FAIL_AT` while it is set.\"\"\"
+    CALLS.append(1)  # call 1 checks the first batch before the engine starts; call k + 2 is step k
+    if os.environ.get("COLO_RL_TEST_FAIL_AT") == str(len(CALLS) - 2):
+        raise ZeroDivisionError("the reward function's own bug")
+    return target_char(prompts, completions, target)
+"""
 
 
 def test_a_raising_reward_leaves_a_checkpoint_and_resumes_continue_metrics_without_duplicates(
         tmp_path, monkeypatch, caplog, engine):
-    """Step 3's reward function raises: checkpoint of step 3 (the trainer's state is intact),
-    the resume command logged. Then, resumed into the same directory twice, the second time from
-    that older checkpoint: metrics.jsonl holds every step once, and the steps logged again are
-    the same numbers (an exact resume)."""
-    import colo_rl.run as run_module
+    """Step 3's reward function (a user's, by import path) raises: checkpoint of step 3 (the
+    trainer's state is intact), the resume command logged. Then, resumed into the same directory
+    twice, the second time from that older checkpoint: metrics.jsonl holds every step once, and
+    the steps logged again are the same numbers (an exact resume)."""
+    from colo_rl.rewards import RewardError
 
-    real_make_task = run_module.make_task
-    per_step = 4 * 4  # trainer.prompts_per_step x sampling.n of small_run_overrides
-    monkeypatch.setattr(run_module, "make_task", lambda cfg: RaisingReward(real_make_task(cfg), 3, per_step))
+    (tmp_path / "raising_reward.py").write_text(RAISING_REWARD)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delitem(sys.modules, "raising_reward", raising=False)
+    monkeypatch.setenv("COLO_RL_TEST_FAIL_AT", "3")
+    run = ("logger=none", "trainer.steps=5", "task.rewards=[raising_reward:raising]")
     with caplog.at_level(logging.ERROR, logger="colo_rl"):
-        with pytest.raises(ZeroDivisionError):
-            train(compose_config(*small_run_overrides(tmp_path, "logger=none", "trainer.steps=5")), engine)
+        with pytest.raises(RewardError, match="raising_reward:raising raised ZeroDivisionError at step 3"):
+            train(compose_config(*small_run_overrides(tmp_path, *run)), engine)
     checkpoint = tmp_path / "checkpoint"
-    assert f"ZeroDivisionError after 3 steps; checkpoint of the last applied step (3)" in caplog.text
+    assert f"RewardError after 3 steps; checkpoint of the last applied step (3)" in caplog.text
     assert f"resume with trainer.resume={checkpoint}" in caplog.text
     assert [r["train/step"] for r in read_metrics(tmp_path)] == [0, 1, 2]
     older = tmp_path / "step3"
     shutil.copytree(checkpoint, older)
 
-    monkeypatch.setattr(run_module, "make_task", real_make_task)
-    resume = ("logger=none", "trainer.steps=5")
-    train(compose_config(*small_run_overrides(tmp_path, *resume, f"trainer.resume={checkpoint}")), engine)
+    monkeypatch.delenv("COLO_RL_TEST_FAIL_AT")
+    train(compose_config(*small_run_overrides(tmp_path, *run, f"trainer.resume={checkpoint}")), engine)
     first = read_metrics(tmp_path)
     assert [r["train/step"] for r in first] == [0, 1, 2, 3, 4]
     with caplog.at_level(logging.WARNING, logger="colo_rl"):
-        train(compose_config(*small_run_overrides(tmp_path, *resume, f"trainer.resume={older}")), engine)
+        train(compose_config(*small_run_overrides(tmp_path, *run, f"trainer.resume={older}")), engine)
     assert "dropped 2 records of steps >= 3" in caplog.text
     again = read_metrics(tmp_path)
     assert [r["train/step"] for r in again] == [0, 1, 2, 3, 4]

@@ -28,7 +28,7 @@ STEPS = 2
 # 16 tokens without EOS: the seeded random policy then earns some reward in both steps (with 8
 # tokens every reward of both steps is 0, every advantage too, and nothing would train)
 OVERRIDES = [f"trainer.steps={STEPS}", "trainer.prompts_per_step=4", "sampling.n=4",
-             "sampling.max_tokens=16", "sampling.ignore_eos=true", "logger=none", "logger.progress=false"]
+             "sampling.max_tokens=16", "sampling.ignore_eos=true", "logger=none", "logger.progress=false", "eval.every=0"]
 
 
 def torchrun(nproc: int, *overrides: str, **kwargs) -> subprocess.Popen:

@@ -297,6 +297,7 @@ class Rollouts:
     finish_reasons: list[str]
     group_size: int
     metrics: dict[str, float] = field(default_factory=dict)
+    evaluation: "Rollouts | None" = None  # generate(eval_batch=...)'s, from the same wake
 
 
 class VLLMGenerator:
@@ -434,8 +435,12 @@ class VLLMGenerator:
     # -- one step --------------------------------------------------------------------------
 
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig, *, model: torch.nn.Module,
-                 offloader: Offloader | None = None, seed: int | list[int] | None = None) -> Rollouts:
+                 offloader: Offloader | None = None, seed: int | list[int] | None = None,
+                 eval_batch: tuple[list[list[int]], SamplingConfig] | None = None) -> Rollouts:
         """Push `model`'s weights, generate `sampling.n` completions per prompt, hand the GPU back.
+
+        `eval_batch`: (prompt ids, sampling) of a second batch generated in the same wake, after
+        the first (evaluation), returned as the result's `evaluation`.
 
         `seed`: one for the whole batch, or one per prompt (a prompt's completions then do not
         depend on what else is in the batch: data-parallel ranks sample what one process would).
@@ -447,7 +452,7 @@ class VLLMGenerator:
         timer = StepTimer()
         start = time.perf_counter()
         try:
-            result = self._cycle(prompt_ids, sampling, model, offloader, seed, timer)
+            result = self._cycle(prompt_ids, sampling, model, offloader, seed, timer, eval_batch)
         except BaseException as exc:
             phase = timer.current or "generate"
             if not self._recover(offloader):
@@ -489,7 +494,8 @@ class VLLMGenerator:
         return sum(p.numel() * dtype.itemsize for _, p, layer in hf_parameters(model)
                    if layer is not None or p.dtype != dtype) / 2**30
 
-    def _cycle(self, prompt_ids, sampling, model, offloader, seed, timer: StepTimer) -> Rollouts:
+    def _cycle(self, prompt_ids, sampling, model, offloader, seed, timer: StepTimer,
+               eval_batch=None) -> Rollouts:
         m = timer.metrics
         timer.memory("trainer_step")
         if self.process is None or not self.process.alive():  # first step, or restart_on_failure
@@ -537,6 +543,14 @@ class VLLMGenerator:
                                        sampling=self._sampling_params(sampling, seed))
         # llm.generate alone, and the garbage collector's pauses of the engine's process inside it
         m.update({f"generator/{k}": float(v) for k, v in out.pop("stats", {}).items()})
+        evaluation = None
+        if eval_batch is not None:
+            eval_ids, eval_sampling = eval_batch
+            with timer.phase("eval"):
+                eval_out = self.process.request("generate", timeout=r, prompts=eval_ids,
+                                                sampling=self._sampling_params(eval_sampling, eval_sampling.seed))
+            eval_out.pop("stats", None)
+            evaluation = self._rollouts(eval_ids, eval_out, eval_sampling.n, {})
         # trainer.restore_while_awake: with room for both, the trainer's copies run before the
         # engine frees its memory, not in the contended second after its sleep
         restore_awake = offloader.fits_beside_engine()
@@ -557,7 +571,9 @@ class VLLMGenerator:
         timer.memory("restore")
         m["generator/sleep_skipped"] = float(slept["skipped"])
         m["generator/restored_awake"] = float(restore_awake)
-        return self._rollouts(prompt_ids, out, sampling.n, m)
+        result = self._rollouts(prompt_ids, out, sampling.n, m)
+        result.evaluation = evaluation
+        return result
 
     def _push_ipc(self, model: torch.nn.Module) -> dict:
         from torch.multiprocessing.reductions import reduce_tensor

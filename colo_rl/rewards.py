@@ -1,0 +1,197 @@
+"""Reward functions, built in and the user's own, with TRL's GRPOTrainer signature:
+
+    def my_reward(prompts, completions, **columns) -> list[float | None]
+
+One call per batch. `prompts[i]` and `completions[i]` belong together (a prompt is repeated once
+per completion of its group); `columns` holds the dataset row's other fields as lists of the same
+length (`answer=[...]`). Plain-text tasks pass strings; a messages column (chat format) passes
+each prompt as its list of messages and each completion as `[{"role": "assistant", "content":
+text}]`, as TRL does. Return one number per completion, or None where the function does not
+apply to that sample (left out of the weighted sum, like TRL).
+
+`task.rewards` names functions by `module:function` import path, the directory the run starts
+from being on `sys.path`; a bare name is one of the built-ins below (`BUILTIN`), which go through
+the same loader.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import numbers
+import os
+import re
+import sys
+from dataclasses import dataclass
+from statistics import mean
+from typing import Callable
+
+from colo_rl.config import ConfigError
+
+
+def _text(completion) -> str:
+    """A completion's text, whether plain or in chat format."""
+    if isinstance(completion, str):
+        return completion
+    return completion[-1]["content"]
+
+
+def target_char(prompts, completions, target, **columns) -> list[float]:
+    """Share of the completion's characters equal to the row's `target` (0 when empty)."""
+    texts = [_text(c) for c in completions]
+    return [t.count(ch) / len(t) if t else 0.0 for t, ch in zip(texts, target)]
+
+
+def copy_match(prompts, completions, answer, **columns) -> list[float]:
+    """Share of the positions of the row's `answer` that the completion reproduces."""
+    return [sum(a == b for a, b in zip(_text(c), ans)) / len(ans)
+            for c, ans in zip(completions, answer)]
+
+
+def math_accuracy(prompts, completions, answer, **columns) -> list[float | None]:
+    """1.0 when math-verify judges the completion's answer equal to the row's `answer`; GSM8K
+    answers ("... #### 72") are compared by their final part. None where the gold answer does
+    not parse (the sample cannot be judged)."""
+    from math_verify import parse, verify
+
+    scores = []
+    for completion, gold_text in zip(completions, answer):
+        gold = parse(str(gold_text).split("####")[-1].strip())
+        scores.append(float(verify(gold, parse(_text(completion)))) if gold else None)
+    return scores
+
+
+_BOXED = re.compile(r"\\boxed\{[^{}]*(\{[^{}]*\}[^{}]*)*\}")
+
+
+def format(prompts, completions, **columns) -> list[float]:  # noqa: A001 (the issue's name)
+    """1.0 when the completion states a final answer in \\boxed{...} (the format math-verify
+    and the Qwen2.5-Math prompts ask for), else 0.0."""
+    return [1.0 if _BOXED.search(_text(c)) else 0.0 for c in completions]
+
+
+# short names usable in task.rewards, resolved by the same loader as users' import paths
+BUILTIN = {name: f"colo_rl.rewards:{name}"
+           for name in ("target_char", "copy_match", "math_accuracy", "format")}
+
+
+class RewardError(RuntimeError):
+    """A reward function failed during the run; the message names it and the step."""
+
+
+@dataclass
+class RewardFunction:
+    """A loaded reward function, its import path, its weight and the name it is logged under."""
+
+    path: str
+    name: str
+    weight: float
+    fn: Callable
+
+
+def load_function(path: str, key: str = "task.rewards") -> Callable:
+    """The callable named by `module:function` (or a BUILTIN short name); ConfigError otherwise."""
+    target = BUILTIN.get(path, path)
+    module_name, sep, attr = target.partition(":")
+    if not sep or not module_name or not attr:
+        raise ConfigError(f"{key}: {path!r} is not an import path: write module:function "
+                          f"(e.g. my_rewards:correct) or one of the built-ins {', '.join(BUILTIN)}")
+    # `python -m colo_rl.run` from the user's directory must find the module next to them
+    cwd = os.getcwd()
+    if cwd not in sys.path:
+        sys.path.insert(0, cwd)
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(f"{key}: {path!r}: module {module_name!r} does not import ({exc}); it is "
+                          f"looked up on sys.path, which includes the directory the run starts from "
+                          f"({cwd})") from exc
+    fn = module
+    for part in attr.split("."):
+        fn = getattr(fn, part, None)
+    if not callable(fn):
+        raise ConfigError(f"{key}: {path!r}: module {module_name!r} ({getattr(module, '__file__', '?')}) "
+                          f"has no callable {attr!r}")
+    return fn
+
+
+def load_rewards(paths: list[str], weights: list[float]) -> list[RewardFunction]:
+    """task.rewards with task.reward_weights (default: 1 each), imported and checked."""
+    if not paths:
+        raise ConfigError("task.rewards is empty: name at least one reward function "
+                          f"(module:function or one of {', '.join(BUILTIN)})")
+    if weights and len(weights) != len(paths):
+        raise ConfigError(f"task.reward_weights={list(weights)} has {len(weights)} entries for "
+                          f"{len(paths)} task.rewards: give one weight per function, or none")
+    loaded = [RewardFunction(p, "", w, load_function(p))
+              for p, w in zip(paths, weights or [1.0] * len(paths))]
+    names = [getattr(r.fn, "__name__", r.path.rpartition(":")[2]) for r in loaded]
+    for r, name in zip(loaded, names):
+        # two functions of one name (a.correct, b.correct) are logged under their full paths
+        r.name = name if names.count(name) == 1 else r.path.replace(":", ".")
+    return loaded
+
+
+class Rewards:
+    """Calls every reward function once per batch and combines them into the GRPO reward."""
+
+    def __init__(self, functions: list[RewardFunction]):
+        self.functions = functions
+
+    def per_function(self, prompts: list, completions: list, columns: dict[str, list],
+                     where: str) -> dict[str, list[float | None]]:
+        """{logged name: one value or None per completion}. Raises RewardError naming the
+        function and `where` (the step) when one raises or returns something else."""
+        values = {}
+        for r in self.functions:
+            try:
+                out = r.fn(prompts=prompts, completions=completions, **columns)
+            except Exception as exc:
+                raise RewardError(f"reward function {r.path} raised {type(exc).__name__} {where}: "
+                                  f"{exc}") from exc
+            values[r.name] = _checked(r, out, len(completions), where)
+        return values
+
+    def combine(self, values: dict[str, list[float | None]]) -> list[float]:
+        """The weighted sum per completion; None (not applicable) is left out, as in TRL."""
+        count = len(next(iter(values.values())))
+        return [sum(r.weight * values[r.name][i] for r in self.functions
+                    if values[r.name][i] is not None) for i in range(count)]
+
+    def check_first_batch(self, prompts: list, columns: dict[str, list]) -> None:
+        """Call every function on the first batch with empty completions (a model may generate
+        nothing): a function that fails or returns a wrong answer stops the run before any
+        engine starts, as a ConfigError naming it."""
+        empty = ["" if isinstance(p, str) else [{"role": "assistant", "content": ""}] for p in prompts]
+        try:
+            self.per_function(prompts, empty, columns, "on the first batch (empty completions)")
+        except RewardError as exc:
+            raise ConfigError(f"task.rewards: {exc}") from exc.__cause__
+
+    @staticmethod
+    def metrics(values: dict[str, list[float | None]], prefix: str = "reward/") -> dict[str, float]:
+        """Each function's mean over the samples it applied to, as `reward/<name>`."""
+        out = {}
+        for name, vals in values.items():
+            applied = [v for v in vals if v is not None]
+            if applied:
+                out[f"{prefix}{name}"] = mean(applied)
+        return out
+
+
+def _checked(r: RewardFunction, out, count: int, where: str) -> list[float | None]:
+    if isinstance(out, (str, bytes)) or not hasattr(out, "__len__"):
+        raise RewardError(f"reward function {r.path} returned {type(out).__name__} {where}: it must "
+                          f"return a list of {count} numbers (or None), one per completion")
+    out = list(out)
+    if len(out) != count:
+        raise RewardError(f"reward function {r.path} returned {len(out)} values for {count} "
+                          f"completions {where}: return one number (or None) per completion")
+    for i, v in enumerate(out):
+        if v is None:
+            continue
+        if not isinstance(v, numbers.Real) or not math.isfinite(v):
+            raise RewardError(f"reward function {r.path} returned {v!r} for completion {i} {where}: "
+                              "each value must be a finite number, or None where it does not apply")
+    return [None if v is None else float(v) for v in out]
+
