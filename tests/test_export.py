@@ -145,7 +145,7 @@ def test_a_run_with_export_final_leaves_a_model_vllm_serves_with_the_trainers_gr
     # '=' is a character the initial policy samples often (the default 'a' it may not sample in
     # two steps: all rewards 0, no update), and a large lr: two steps move the greedy tokens
     train(compose_config(*small_run_overrides(tmp_path / "run", "logger=none", "trainer.steps=2",
-                                              "task.target='='", "trainer.lr=0.05",
+                                              "task.toy.target='='", "trainer.lr=0.05",
                                               "trainer.export_final=true")), engine)
     out = tmp_path / "run" / "export"
     weights = load_file(out / "model.safetensors")
