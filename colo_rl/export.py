@@ -6,7 +6,8 @@ index), the tokenizer files and generation_config.json: `AutoModelForCausalLM.fr
 `AutoTokenizer.from_pretrained` and `vllm serve OUT_DIR` take it as it is. Everything comes
 from the checkpoint itself (its model.safetensors and hf/), verified against its manifest
 first, so the model's original directory or cache is not needed (except for a LoRA checkpoint
-of a hub model: its adapters are merged into the base from model.path).
+of a hub model: its adapters are merged into the base from model.path). `--lora adapter` writes
+a LoRA checkpoint as a peft adapter directory instead, for `peft.PeftModel.from_pretrained`.
 
 The dtype is the checkpoint's `model.dtype` (what the engine served) unless --dtype says
 otherwise; under trainer.precision=mixed the checkpoint holds fp32 masters, which
@@ -24,23 +25,32 @@ from pathlib import Path
 import torch
 
 from colo_rl.cli import run_cli
+from colo_rl.lora import checkpoint_policy
 from colo_rl.models import DTYPES
 from colo_rl.trainer.checkpoint import (HF_DIR, CheckpointError, read_config, replace_directory,
                                         verify_checkpoint)
 
 log = logging.getLogger("colo_rl")
 DEFAULT_MAX_SHARD_SIZE = "5GB"  # the Hub's usual shard size
+LORA_FORMS = ("merged", "adapter")
 
 
 def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, *, dtype: str | None = None,
-                      max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE, overwrite: bool = False) -> Path:
+                      max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE, overwrite: bool = False,
+                      lora: str = "merged") -> Path:
     """Write the Hugging Face model directory `out_dir` from `checkpoint_dir`; returns it.
 
     `overwrite`: replace an existing `out_dir` (in one step, as checkpoints are replaced)
-    instead of refusing it.
+    instead of refusing it. `lora`, for a LoRA run's checkpoint: "merged" writes the model with
+    its adapters merged in, "adapter" a peft adapter directory instead.
     """
     checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
+    if lora not in LORA_FORMS:
+        raise CheckpointError(f"--lora {lora}: use one of {', '.join(LORA_FORMS)}")
     manifest = verify_checkpoint(checkpoint_dir)
+    if lora == "adapter" and manifest.get("kind") != "lora":
+        raise CheckpointError(f"--lora adapter: {checkpoint_dir} is a full fine-tuning checkpoint "
+                              "(trainer.lora.rank=0), with no adapter to write. Export it without --lora")
     model_cfg = (read_config(checkpoint_dir) or {}).get("model", {})
     dtype = dtype or model_cfg.get("dtype") or "float32"
     if dtype not in DTYPES:
@@ -55,8 +65,11 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, *, dtype:
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.partial-"))
     try:
-        _write_model(checkpoint_dir, manifest, hf, tmp, DTYPES[dtype], max_shard_size,
-                     bool(model_cfg.get("trust_remote_code", False)))
+        trust_remote_code = bool(model_cfg.get("trust_remote_code", False))
+        if lora == "adapter":
+            _write_adapter(checkpoint_dir, hf, tmp, trust_remote_code)
+        else:
+            _write_model(checkpoint_dir, manifest, hf, tmp, DTYPES[dtype], max_shard_size, trust_remote_code)
         if out_dir.exists() and not any(out_dir.iterdir()):
             out_dir.rmdir()
         replace_directory(tmp, out_dir)
@@ -72,7 +85,7 @@ def _write_model(checkpoint_dir: Path, manifest: dict, hf: Path, out: Path, dtyp
     from transformers import AutoTokenizer
 
     if manifest.get("kind") == "lora":
-        model = _merged_lora_model(checkpoint_dir, hf)
+        model = _merged_lora_model(checkpoint_dir)
         model.to(dtype)
     else:
         model = _full_model(checkpoint_dir, manifest, hf, dtype, trust_remote_code)
@@ -106,34 +119,34 @@ def _full_model(checkpoint_dir: Path, manifest: dict, hf: Path, dtype: torch.dty
     return model
 
 
-def _merged_lora_model(checkpoint_dir: Path, hf: Path) -> torch.nn.Module:
+def _merged_lora_model(checkpoint_dir: Path) -> torch.nn.Module:
     """A LoRA checkpoint holds the adapters only: the base comes from where the run had it (the
     embedded model's seeded init, or model.path), the adapters are merged into it."""
-    from omegaconf import OmegaConf
-    from safetensors.torch import load_file
+    return _lora_policy(checkpoint_dir).merge_and_unload()
 
-    from colo_rl.config import LoraConfig, ModelConfig
-    from colo_rl.lora import apply_lora
-    from colo_rl.models import load_policy, resolve_hf_model
+
+def _write_adapter(checkpoint_dir: Path, hf: Path, out: Path, trust_remote_code: bool) -> None:
+    """A peft adapter directory: adapter_config.json (its base: model.path for a Hugging Face model)
+    and adapter_model.safetensors in the dtype the adapters trained in, with the tokenizer."""
+    from transformers import AutoTokenizer
+
+    policy = _lora_policy(checkpoint_dir)
+    model_cfg = read_config(checkpoint_dir)["model"]
+    policy.peft_config["default"].base_model_name_or_path = (model_cfg.get("path") if model_cfg.get("source") == "hf"
+                                                             else None)
+    policy.save_pretrained(out)
+    AutoTokenizer.from_pretrained(hf, trust_remote_code=trust_remote_code).save_pretrained(out)
+
+
+def _lora_policy(checkpoint_dir: Path) -> torch.nn.Module:
+    from safetensors.torch import load_file
 
     saved = read_config(checkpoint_dir) or {}
     if "lora" not in saved.get("trainer", {}):
         raise CheckpointError(f"{checkpoint_dir / 'config.yaml'}: a LoRA checkpoint needs the run's "
                               "config (trainer.lora, model.*) to rebuild its base. Export a "
                               "checkpoint written by a run")
-    model_cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), saved["model"]))
-    lora_cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(LoraConfig), saved["trainer"]["lora"]))
-    base_dir = hf if model_cfg.source == "embedded" else resolve_hf_model(model_cfg)
-    adapters = load_file(str(checkpoint_dir / "model.safetensors"))
-    adapter_dtype = next(iter(adapters.values())).dtype
-    model = apply_lora(load_policy(model_cfg, base_dir, "cpu"), lora_cfg, adapter_dtype=adapter_dtype)
-    expected = {name for name, p in model.named_parameters() if p.requires_grad}
-    if set(adapters) != expected:
-        raise CheckpointError(f"{checkpoint_dir / 'model.safetensors'}: its tensors are not the adapters "
-                              f"of trainer.lora={saved['trainer']['lora']} on {base_dir}. Export it with "
-                              "the model it was trained on")
-    model.load_state_dict(adapters, strict=False)
-    return model.merge_and_unload()
+    return checkpoint_policy(checkpoint_dir, saved, load_file(str(checkpoint_dir / "model.safetensors")))
 
 
 def _tied_names(model: torch.nn.Module) -> set[str]:
@@ -157,11 +170,16 @@ def main(argv: list[str] | None = None) -> None:
                         help="default: the checkpoint's model.dtype; float32 keeps fp32 masters exactly")
     parser.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE,
                         help=f"largest weight file before sharding (default {DEFAULT_MAX_SHARD_SIZE})")
+    parser.add_argument("--lora", choices=LORA_FORMS, default="merged",
+                        help="a LoRA run's checkpoint: merged (default) writes the model with the adapters "
+                             "merged in, for AutoModelForCausalLM or vLLM; adapter writes a peft adapter "
+                             "directory (adapter_config.json, adapter_model.safetensors as trained, the "
+                             "tokenizer) for peft.PeftModel.from_pretrained(base, OUT_DIR)")
     parser.add_argument("--debug", action="store_true", help="show the traceback of input errors too")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     run_cli(lambda: export_checkpoint(args.checkpoint_dir, args.out_dir, dtype=args.dtype,
-                                      max_shard_size=args.max_shard_size),
+                                      max_shard_size=args.max_shard_size, lora=args.lora),
             argv=["debug=true"] if args.debug else [])
 
 

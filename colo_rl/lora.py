@@ -110,3 +110,29 @@ def merged_weight(weight: torch.Tensor, layer: torch.nn.Module, dtype: torch.dty
         for adapter in layer.active_adapters:
             merged.add_(layer.get_delta_weight(adapter))
     return merged
+
+
+def checkpoint_policy(checkpoint_dir: Path, config: dict, adapters: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """The LoRA policy a checkpoint of a LoRA run describes: its base model (the embedded one
+    rebuilt from the checkpoint's own hf/ directory and seed, or model.path's weights) with the
+    adapters `adapters` (the checkpoint's model tensors), on the CPU."""
+    from omegaconf import OmegaConf
+
+    from colo_rl.config import ModelConfig
+    from colo_rl.models import load_policy, resolve_hf_model
+
+    model_cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), config["model"]))
+    lora_cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(LoraConfig), config["trainer"]["lora"]))
+    base_dir = checkpoint_dir / "hf" if model_cfg.source == "embedded" else resolve_hf_model(model_cfg)
+    dtype = next(iter(adapters.values())).dtype
+    policy = apply_lora(load_policy(model_cfg, base_dir, "cpu"), lora_cfg, adapter_dtype=dtype)
+    expected = {name for name, _ in trainable_parameters(policy)}
+    if set(adapters) != expected:
+        from colo_rl.trainer.checkpoint import CheckpointError
+
+        raise CheckpointError(f"{checkpoint_dir / 'model.safetensors'}: its {len(adapters)} tensors are not the "
+                          f"{len(expected)} adapters that trainer.lora={dict(config['trainer']['lora'])} puts on "
+                          "this model. Export a checkpoint written by a LoRA run")
+    policy.load_state_dict(adapters, strict=False)
+    return policy
+

@@ -4,21 +4,26 @@ refusals, and a LoRA run of the embedded model learning the built-in task."""
 from __future__ import annotations
 
 import copy
+import json
+import subprocess
 import sys
 
 import peft
 import pytest
 import torch
+from omegaconf import OmegaConf
 from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
 
 from colo_rl.config import ConfigError, LoraConfig, ModelConfig, SamplingConfig, TrainerConfig, validate
+from colo_rl.export import export_checkpoint
 from colo_rl.lora import apply_lora, hf_parameters, merged_weight
-from colo_rl.models import load_policy, write_embedded_model
+from colo_rl.models import load_policy
 from colo_rl.run import train
-from colo_rl.trainer import GRPOTrainer, Offloader, load_checkpoint, save_checkpoint
-from colo_rl.trainer.checkpoint import read_manifest
+from colo_rl.trainer import CheckpointError, GRPOTrainer, Offloader, load_checkpoint, save_checkpoint
+from colo_rl.trainer.checkpoint import check_compatible, read_manifest
 
-from .conftest import compose_config, engine_processes, small_run_overrides
+from .conftest import ROOT, compose_config, engine_processes, small_run_overrides
 from .generator.test_generator import hf_greedy
 
 PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
@@ -237,3 +242,68 @@ def test_gradient_checkpointing_trains_the_adapters_as_without_it(tiny_model_dir
     assert trainer.model.is_gradient_checkpointing
     assert after[0][0] == after[1][0]
     torch.testing.assert_close(after[0][1], after[1][1], rtol=0, atol=1e-7)
+
+
+@pytest.fixture(scope="module")
+def lora_checkpoint(tmp_path_factory, tiny_model_dir):
+    """A LoRA trainer after two steps and its checkpoint, with the run config that describes it."""
+    trainer = trainer_of(lora_policy(tiny_model_dir), lr=1e-2)
+    for _ in range(2):
+        trainer.train_step(PROMPTS, COMPLETIONS, REWARDS, GROUP)
+    config = OmegaConf.to_container(compose_config("trainer.lora.rank=8", "trainer.lr=1e-2"), resolve=True)
+    directory = save_checkpoint(tmp_path_factory.mktemp("lora") / "checkpoint", trainer, {"step": 2},
+                                config=config, model_dir=tiny_model_dir)
+    return directory, trainer.model, config
+
+
+def logits_of(model) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([[5, 6, 7, 8, 9, 10]])).logits
+
+
+def test_the_checkpoint_says_lora_and_is_a_tenth_of_the_model(lora_checkpoint):
+    directory, model, _ = lora_checkpoint
+    assert json.loads((directory / "manifest.json").read_text())["kind"] == "lora"
+    assert set(load_file(directory / "model.safetensors")) == {n for n, p in model.named_parameters() if p.requires_grad}
+    full = sum(p.nbytes for _, p, _ in hf_parameters(model))
+    assert (directory / "model.safetensors").stat().st_size < full / 8
+
+
+def test_resuming_with_other_lora_settings_is_refused_naming_the_key(lora_checkpoint):
+    directory, _, config = lora_checkpoint
+    other = copy.deepcopy(config)
+    other["trainer"]["lora"]["alpha"] = 16.0
+    with pytest.raises(CheckpointError, match=r"trainer.lora.alpha=16.0 \(the checkpoint: 32.0\)"):
+        check_compatible(directory, other)
+
+
+def test_the_merged_export_loads_with_transformers_as_the_weights_every_push_sends(lora_checkpoint, tmp_path):
+    directory, model, _ = lora_checkpoint
+    export_checkpoint(directory, tmp_path / "merged")
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    pushed = {name: merged_weight(p, layer, torch.float32) if layer is not None else p.detach()
+              for name, p, layer in hf_parameters(model)}
+    assert exported.state_dict().keys() == pushed.keys()
+    assert all(torch.equal(exported.state_dict()[n], pushed[n]) for n in pushed)
+    torch.testing.assert_close(logits_of(exported), logits_of(model), rtol=0, atol=1e-5)
+
+
+def test_the_adapter_export_loads_with_peft_onto_the_base_as_the_trainer_holds_it(lora_checkpoint, tmp_path):
+    directory, model, _ = lora_checkpoint
+    proc = subprocess.run([sys.executable, "-m", "colo_rl.export", str(directory), str(tmp_path / "adapter"),
+                           "--lora", "adapter"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in (tmp_path / "adapter").iterdir()}
+    base = load_policy(ModelConfig(), directory / "hf", "cpu")
+    loaded = peft.PeftModel.from_pretrained(base, tmp_path / "adapter")
+    assert torch.equal(logits_of(loaded), logits_of(model))
+    with loaded.disable_adapter():  # the adapters are what made the difference
+        assert not torch.allclose(logits_of(loaded), logits_of(model), atol=1e-3)
+
+
+def test_an_adapter_export_of_a_full_fine_tuning_checkpoint_is_refused(tmp_path, tiny_model_dir):
+    trainer = trainer_of(load_policy(ModelConfig(), tiny_model_dir, "cpu"))
+    config = OmegaConf.to_container(compose_config(), resolve=True)
+    directory = save_checkpoint(tmp_path / "checkpoint", trainer, {"step": 0}, config=config, model_dir=tiny_model_dir)
+    with pytest.raises(CheckpointError, match="--lora adapter: .* is a full fine-tuning checkpoint"):
+        export_checkpoint(directory, tmp_path / "out", lora="adapter")

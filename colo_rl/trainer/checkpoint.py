@@ -60,6 +60,7 @@ COMPARED_KEYS = {
     "model.dtype": None, "trainer.precision": None, "trainer.optimizer": None, "trainer.lr": None,
     "trainer.betas": list, "trainer.weight_decay": None,
     "trainer.kl_coef": lambda v: "a reference model" if v > 0 else "no reference model",
+    "trainer.lora": None,  # which tensors the checkpoint holds and what alpha / rank scales them by
 }
 
 
