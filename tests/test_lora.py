@@ -307,3 +307,22 @@ def test_an_adapter_export_of_a_full_fine_tuning_checkpoint_is_refused(tmp_path,
     directory = save_checkpoint(tmp_path / "checkpoint", trainer, {"step": 0}, config=config, model_dir=tiny_model_dir)
     with pytest.raises(CheckpointError, match="--lora adapter: .* is a full fine-tuning checkpoint"):
         export_checkpoint(directory, tmp_path / "out", lora="adapter")
+
+
+@pytest.mark.slow
+def test_two_ddp_ranks_train_the_adapters_like_one_process(tmp_path, engine):
+    from .test_parallel import OVERRIDES, kill_tree, model_state, torchrun
+
+    lora = ["trainer.lora.rank=8", "trainer.lr=1e-2", "trainer.offload=none"]
+    proc = torchrun(2, "trainer.parallel=ddp", *lora, *OVERRIDES, f"output_dir={tmp_path / 'two'}")
+    try:
+        out, _ = proc.communicate(timeout=600)
+    finally:
+        kill_tree(proc)
+    assert proc.returncode == 0, out[-4000:]
+    train(compose_config(*small_run_overrides(tmp_path / "one", *OVERRIDES, *lora)), engine)
+    expected, got = model_state(tmp_path / "one"), model_state(tmp_path / "two")
+    assert expected.keys() == got.keys() and all(".lora_" in name for name in got)
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-6, msg=name)
+    assert max(float(t.abs().max()) for n, t in got.items() if ".lora_B." in n) > 1e-4  # they trained
