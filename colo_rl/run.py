@@ -64,8 +64,10 @@ class InterruptGuard:
         self.deferring = False
         self.pending: int | None = None
         self.update_failed = False
+        self.kill_engine = lambda: None  # for a second signal: set once the run has an engine
 
     def _handler(self, signum, frame):
+        self.shutting_down(self.kill_engine)  # the first signal starts the shutdown
         if self.deferring:
             self.pending = signum
             return
@@ -213,6 +215,7 @@ def _train(cfg: DictConfig, settings: RunConfig, generator: VLLMGenerator | None
         gpu=par.engine_gpu() if device.startswith("cuda") else None)
     checkpoint_dir = output_dir / "checkpoint"
     guard = InterruptGuard()
+    guard.kill_engine = _engine_killer(generator if owns_generator else None)
     with guard.installed():
         try:
             # A bad engine setting (path, memory) fails here with vLLM's own message, before step 0
@@ -276,7 +279,7 @@ def _loop(settings: RunConfig, task: Task, trainer: GRPOTrainer, offloader: Offl
                      time.perf_counter() - start)
     except KeyboardInterrupt as exc:
         # The generator has put the engine to sleep and restored the trainer before this.
-        guard.shutting_down(_engine_killer(generator if owns_generator else None))
+        guard.shutting_down(guard.kill_engine)
         if par.mode == "fsdp":  # gathering shards needs every rank, and some may be gone
             log.error("interrupted after %d steps (%s); trainer.parallel=fsdp writes no "
                       "checkpoint on interruption", done["step"], exc)
@@ -288,7 +291,7 @@ def _loop(settings: RunConfig, task: Task, trainer: GRPOTrainer, offloader: Offl
             generator.close()
         raise SystemExit(128 + getattr(exc, "signum", signal.SIGINT)) from exc
     except BaseException as exc:
-        guard.shutting_down(_engine_killer(generator if owns_generator else None))
+        guard.shutting_down(guard.kill_engine)
         if owns_generator and generator.process is not None:
             generator.process.close()  # the error itself is what the user needs to see
         if par.is_main:

