@@ -19,6 +19,7 @@ from typing import Any, NoReturn
 from colo_rl.config import ConfigError
 
 EXIT_INPUT_ERROR = 2  # what argparse uses for a bad command line
+EXIT_RUN_FAILED = 1  # the run stopped on a failure it reported (engine, reward function, divergence)
 _TRUE = {"true", "yes", "on", "1"}
 # Hydra's messages carry OmegaConf's object dump; the key is already in ours.
 _NOISE = re.compile(r"^\s*(full_key|reference_type|object_type)\s*[:=]")
@@ -119,19 +120,42 @@ def _missing_config_message(exc: BaseException) -> str:
     return f"{missing}: config not found. Check the name, or add its directory with --config-dir DIR"
 
 
-def report_input_error(message: str) -> None:
+def report_error(message: str) -> None:
     print(f"colo_rl: error: {message}", file=sys.stderr, flush=True)
 
 
+def run_failure(exc: BaseException) -> BaseException | None:
+    """For a failure of the run that is not a bug in colo_rl (the engine failed, the user's reward
+    function raised, the training diverged), the exception whose traceback is worth showing
+    without `debug` (the reward function's own), or `exc` itself; None for anything else. The
+    runner has already logged the checkpoint it wrote and how to resume."""
+    from colo_rl.generator import GeneratorError
+    from colo_rl.rewards import RewardError
+    from colo_rl.trainer import TrainingDiverged
+
+    if isinstance(exc, RewardError):
+        return exc.__cause__ or exc
+    if isinstance(exc, (GeneratorError, TrainingDiverged)):
+        return exc
+    return None
+
+
 def exit_for(exc: BaseException, debug: bool) -> NoReturn:
-    """Input errors: the one block (after the traceback with `debug`), exit code 2. Anything
+    """Input errors: the one block (after the traceback with `debug`), exit code 2. A failure of
+    the run (`run_failure`): its message, exit code 1, the user's own traceback if any. Anything
     else is a bug: re-raised with its traceback."""
     message = input_error_message(exc)
     if message is None:
-        raise exc
+        shown = run_failure(exc)
+        if shown is None:
+            raise exc
+        if debug or shown is not exc:
+            traceback.print_exception(exc if debug else shown)
+        report_error(str(exc))
+        raise SystemExit(EXIT_RUN_FAILED)
     if debug:
         traceback.print_exception(exc)
-    report_input_error(message)
+    report_error(message)
     raise SystemExit(EXIT_INPUT_ERROR)
 
 

@@ -153,3 +153,34 @@ def test_resuming_another_shape_or_a_changed_checkpoint_is_refused_before_any_en
     assert (f"colo_rl: error: {checkpoint / 'optimizer.safetensors'}: its bytes differ from the "
             "SHA-256 in manifest.json") in err, err
     assert not marker.exists()
+
+
+def test_a_run_failure_is_one_error_line_exit_1_and_a_reward_functions_own_traceback(capsys):
+    """Not input errors, not bugs in colo_rl: the runner has logged its checkpoint and how to
+    resume, so the command line ends with the failure's message alone (exit 1); a reward
+    function that raised shows its own traceback, where the user's bug is."""
+    from colo_rl.cli import exit_for
+    from colo_rl.rewards import RewardError
+    from colo_rl.trainer import TrainingDiverged
+
+    with pytest.raises(SystemExit) as info:
+        exit_for(TrainingDiverged("step 5: the loss or gradient norm was not finite"), debug=False)
+    err = capsys.readouterr().err
+    assert info.value.code == 1 and "Traceback" not in err
+    assert err.strip() == "colo_rl: error: step 5: the loss or gradient norm was not finite"
+
+    def users_reward():
+        raise ValueError("bad row")
+
+    try:
+        users_reward()
+    except ValueError as cause:
+        failure = RewardError("reward function my_rewards:f raised ValueError at step 2")
+        failure.__cause__ = cause
+    with pytest.raises(SystemExit) as info:
+        exit_for(failure, debug=False)
+    err = capsys.readouterr().err
+    assert info.value.code == 1 and "in users_reward" in err and "ValueError: bad row" in err
+    assert err.strip().endswith("colo_rl: error: reward function my_rewards:f raised ValueError at step 2")
+    with pytest.raises(ZeroDivisionError):  # a bug keeps its traceback
+        exit_for(ZeroDivisionError("division by zero"), debug=False)
