@@ -28,7 +28,8 @@ def encode_prompts(prompts: list, tokenizer, settings: RunConfig) -> list[list[i
     m = settings.model
     if prompts and not isinstance(prompts[0], str):
         return [_chat_ids(tokenizer, messages) for messages in prompts]
-    texts = [m.prompt_template.format(prompt=p) for p in prompts]
+    # not str.format: templates hold other braces (Qwen2.5-Math's "\\boxed{}")
+    texts = [m.prompt_template.replace("{prompt}", p) for p in prompts]
     if m.use_chat_template:
         return [_chat_ids(tokenizer, [{"role": "user", "content": t}]) for t in texts]
     return tokenizer(texts).input_ids if texts else []

@@ -90,6 +90,19 @@ def test_plain_prompts_go_through_the_chat_template_as_a_user_message(tmp_path):
     assert tok.decode(batch.prompt_ids[0]) == f"q {batch.prompts[0]}"
 
 
+def test_a_template_with_other_braces_keeps_them(tmp_path):
+    """The qwen2_5_math_1_5b preset's template asks for \\boxed{}: only {prompt} is replaced (str.format
+    raised IndexError on it)."""
+    from colo_rl.tasks import encode_prompts
+
+    settings = validate(compose_config("model=qwen2_5_math_1_5b", "model.source=embedded", "model.path=null"))
+    tokenizer = load_tokenizer(settings.model, write_embedded_model(settings.model, tmp_path / "model"))
+    ids = encode_prompts(["1+1?"], tokenizer, settings)[0]
+    # (the embedded tokenizer has no capitals, newline, backslash or braces: they decode to nothing)
+    assert tokenizer.decode(ids) == ("user: 1+1?lease reason step by step, and put your final answer "
+                                     "within boxed.;assistant:")
+
+
 def test_a_messages_column_goes_through_the_chat_template_and_reaches_rewards_as_messages(user_dir, tmp_path):
     write_task(user_dir, messages=True)
     task, tok = setup_task(tmp_path, *own_task(user_dir, "task.dataset.messages_column=messages",
