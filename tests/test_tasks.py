@@ -190,7 +190,7 @@ def test_a_reward_raising_mid_run_stops_it_naming_the_function_and_step_with_a_c
                                           r"at step 1: the judge is down"):
         train(compose_config(*small_run_overrides(out, "logger=none", "eval.every=0"),
                              *own_task(user_dir, "task.rewards=[my_rewards:fails_at_step_one]")), engine)
-    state = torch.load(out / "checkpoint" / "trainer.pt", weights_only=True)
+    state = torch.load(out / "checkpoint" / "state.pt", weights_only=True)
     assert state["extra"]["step"] == 1 and state["extra"]["sampler"]["index"] == 4
 
 
