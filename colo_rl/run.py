@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 
 if __name__ == "__main__":  # torch, transformers and the rest take seconds to import: say so first
-    print("colo_rl: starting (importing torch, transformers, Hydra)", file=sys.stderr, flush=True)
+    print("colo_rl: starting (importing torch, transformers, Hydra)", flush=True)  # stderr: errors only
 
 import logging
 import os
