@@ -22,7 +22,7 @@ from colo_rl.report import ENGINE_START_KEYS
 from experiments.dashboards.colo_rl_workspace import (SECTIONS, SUMMARY_AGGREGATE, build_workspace,
                                                      referenced_keys)
 
-from .conftest import CONF, EXPERIMENTS, ROOT, compose_config
+from .conftest import CONF, EXPERIMENTS, ROOT, compose_config, small_run_overrides
 
 # Real `python -m colo_rl.run` runs on the lent H200 (benchmarks/RESULTS.md), both weight syncs:
 # the only real runs here that log memory/* (free GPU memory is measured on CUDA only) and
@@ -69,15 +69,31 @@ def test_the_stacked_timing_panel_lists_every_in_step_phase_in_step_order(worksp
     assert view_panel.config.metrics == [f"timing/{p}_s" for p in phases]
 
 
-def test_every_per_step_key_the_panels_plot_is_logged_by_a_real_run(workspace, short_run_dir):
+@pytest.fixture(scope="module")
+def eval_run_dir(tmp_path_factory, engine):
+    """A real 3-step run with held-out evaluation (before step 0, at step 2, after the last): the
+    only runs that log eval/* and timing/eval_s."""
+    from colo_rl.run import train
+
+    output_dir = tmp_path_factory.mktemp("eval_run")
+    train(compose_config(*small_run_overrides(output_dir, "logger=none", "eval.every=2", "eval.size=4")),
+          engine)
+    return output_dir
+
+
+def test_every_per_step_key_the_panels_plot_is_logged_by_a_real_run(workspace, short_run_dir, eval_run_dir):
     cpu_run = records_of(short_run_dir / "metrics.jsonl")
+    eval_run = records_of(eval_run_dir / "metrics.jsonl")
     gpu_runs = [records_of(path) for path in H200_RUNS]
     assert {path.name.split("_h200_")[0] for path in H200_RUNS} == {"run_1b_cuda_ipc", "run_1b_file"}
     history = referenced_keys(workspace)["history"]
     cuda_only = {k for k in history if k.startswith(("memory/", "offloader/"))}
     # the shared engine may have started in an earlier test: then no step of this run started it
     start_only = set(ENGINE_START_KEYS) - logged_keys(cpu_run)
-    missing = history - cuda_only - start_only - logged_keys(cpu_run)
+    eval_only = {k for k in history if k.startswith("eval/")} | {"timing/eval_s"}
+    assert eval_only <= logged_keys(eval_run), sorted(eval_only - logged_keys(eval_run))
+    assert not eval_only & logged_keys(cpu_run)  # eval.every=0 logs none of them
+    missing = history - cuda_only - start_only - eval_only - logged_keys(cpu_run)
     assert not missing, f"plotted but never logged by a real run: {sorted(missing)}"
     gpu_logged = set().union(*map(logged_keys, gpu_runs))
     assert not cuda_only - gpu_logged, sorted(cuda_only - gpu_logged)
@@ -87,7 +103,8 @@ def test_every_per_step_key_the_panels_plot_is_logged_by_a_real_run(workspace, s
     if torch.cuda.is_available():
         assert not cuda_only - logged_keys(cpu_run)
     assert {"memory/free_after_wake_kv_gib", "reward/mean", "reward/max", "train/loss",
-            "train/grad_norm", "train/kl", "train/engine_logprob_gap"} <= history
+            "train/grad_norm", "train/kl", "train/engine_logprob_gap", "eval/reward/mean",
+            "eval/pass_at_1", "timing/eval_s"} <= history
 
 
 def test_every_summary_key_names_what_the_logger_makes_wandb_aggregate(workspace, short_run_dir,

@@ -4,8 +4,9 @@
 
 Run it from the repository root; it saves a new workspace view and prints its URL. Sections:
 timing (the phases of a step, stacked in the order they run), memory (free GPU memory after
-each event of a step), reward and loss, host resources, and the sweep comparison (config keys
-against step time and reward, runs grouped by their W&B group: one group per Hydra multirun).
+each event of a step), reward and loss, held-out evaluation, host resources, and the sweep
+comparison (config keys against step time and reward, runs grouped by their W&B group: one
+group per Hydra multirun).
 The metric keys come from colo_rl.report, which plots the same keys from metrics.jsonl.
 """
 
@@ -21,7 +22,7 @@ from colo_rl.report import MEMORY_KEYS, REWARD_KEYS, STEP_TIMING_KEYS, TRAIN_KEY
 
 WORKSPACE_NAME = "colo_rl: colocated trainer and sleeping engine"
 SECTIONS = ("Timing: phases of a step", "Memory: free GPU memory", "Reward and loss",
-            "Host resources", "Sweep comparison")
+            "Held-out evaluation", "Host resources", "Sweep comparison")
 HOST_KEYS = ("host/trainer_rss_gib", "host/engine_rss_gib", "host/open_fds", "host/child_processes")
 # What a sweep changes (experiments/experiment/memory_fraction_sweep.yaml and the README's
 # lr sweep): W&B config is the resolved Hydra config, so these are its dotted keys.
@@ -88,15 +89,27 @@ def reward_section() -> ws.Section:
     ])
 
 
+def eval_section() -> ws.Section:
+    """eval/* is logged before the first step, every eval.every steps and after the last
+    (conf/eval); pass@1 is the default eval.n=1's key."""
+    return _section(SECTIONS[3], [
+        _line("held-out reward (mean over eval.size prompts)", ["eval/reward/mean"]),
+        _line("held-out pass@1 (share of prompts with a completion at eval.pass_reward)",
+              ["eval/pass_at_1"], range_y=(0, 1)),
+        _line("held-out completion length", ["eval/mean_length"], title_y="tokens"),
+        _line("evaluation time (in the wake of that step's rollouts)", ["timing/eval_s"], title_y="s"),
+    ])
+
+
 def host_section() -> ws.Section:
-    return _section(SECTIONS[3], [_line(key, [key]) for key in HOST_KEYS], columns=4)
+    return _section(SECTIONS[4], [_line(key, [key]) for key in HOST_KEYS], columns=4)
 
 
 def sweep_section() -> ws.Section:
     columns = [*(wr.ParallelCoordinatesPlotColumn(metric=wr.Config(key)) for key in SWEEP_CONFIG_KEYS),
                *(wr.ParallelCoordinatesPlotColumn(metric=wr.SummaryMetric(summary_key(key)))
                  for key in SWEEP_SUMMARY_KEYS)]
-    return _section(SECTIONS[4], [
+    return _section(SECTIONS[5], [
         wr.ParallelCoordinatesPlot(title="sweep: config -> step time and reward", columns=columns),
         wr.ScatterPlot(title="engine memory fraction vs step time",
                        x=wr.Config("generator.gpu_memory_utilization"),
@@ -117,7 +130,7 @@ def build_workspace(entity: str, project: str, name: str = WORKSPACE_NAME) -> ws
     """The workspace, built offline; `.save()` creates it on W&B."""
     return ws.Workspace(
         entity=entity, project=project, name=name,
-        sections=[timing_section(), memory_section(), reward_section(), host_section(),
+        sections=[timing_section(), memory_section(), reward_section(), eval_section(), host_section(),
                   sweep_section()],
         settings=ws.WorkspaceSettings(x_axis=STEP_KEY),
         runset_settings=ws.RunsetSettings(groupby=[ws.Metric("Group")]),
