@@ -217,6 +217,13 @@ class TrainerConfig:
     # AdamW (2 bytes of state per parameter instead of 8). adamw_bf16_sr: torchao's AdamW with bf16
     # state and stochastic rounding of bf16 parameters (trainer.precision=pure, model.dtype=bfloat16).
     optimizer: str = "adamw"
+    # Response positions per chunk of the output head in the log-prob forward: each chunk's logits
+    # (chunk x vocab) are reduced to log-sum-exp and the sampled token's logit, and recomputed in
+    # backward, so the (micro-batch x length x vocab) logits never exist; 0: the full logits
+    logprob_chunk: int = 1024
+    # Dense bf16 peak of the training device in TFLOP/s, for perf/mfu; null: NVIDIA's figure for a
+    # known GPU (H100/H200 989, A100 312; colo_rl/trainer/flops.py), none logged on a CPU or other GPU
+    peak_tflops: Optional[float] = None
     gradient_checkpointing: bool = False  # recompute activations in backward: less memory, ~1.3x the compute
     offload: str = "all"  # all | optimizer | none: what leaves the GPU while the engine is awake
     overlap_restore: bool = True  # CUDA: AdamW state comes back on a side stream, under the next step's work
@@ -253,6 +260,10 @@ class TrainerConfig:
             _check(self.lora.rank == 0, "trainer.lora.rank", self.lora.rank,
                    "must be 0 with trainer.parallel=fsdp (the merged push does not gather sharded "
                    "adapters yet): use trainer.parallel=ddp with LoRA")
+        _check(self.peak_tflops is None or self.peak_tflops > 0, "trainer.peak_tflops", self.peak_tflops,
+               "must be null (the device's known peak) or > 0 (TFLOP/s)")
+        _check(self.logprob_chunk >= 0, "trainer.logprob_chunk", self.logprob_chunk,
+               "must be >= 0 (response positions per chunk of the output head; 0: full logits)")
         for key in ("steps", "prompts_per_step", "micro_batch_size", "updates_per_batch"):
             _check(getattr(self, key) >= 1, f"trainer.{key}", getattr(self, key), "must be >= 1")
         _check(self.lr > 0, "trainer.lr", self.lr, "must be > 0")

@@ -211,6 +211,10 @@ def print_summary(records: list[dict], output_dir: Path) -> None:
         console.print(f"held-out evaluation ({first_eval['eval/prompts']:.0f} prompts): " + ", ".join(
             f"{k} {first_eval[k]:.3f} (step {first_eval[STEP_KEY]}) -> {last_eval.get(k, math.nan):.3f} "
             f"(step {last_eval[STEP_KEY]})" for k in shown))
+    mfu = [r for r in records if "perf/mfu" in r]
+    if mfu:
+        console.print(f"training: {mean(r['perf/train_tflops'] for r in mfu):.1f} TFLOP/s of model FLOPs, "
+                      f"MFU {mean(r['perf/mfu'] for r in mfu):.1%} (mean over {len(mfu)} steps)")
     peaks = [r["memory/trainer_peak_gib"] for r in records if "memory/trainer_peak_gib" in r]
     if peaks:
         console.print(f"trainer peak GPU memory: {max(peaks):.2f} GiB")

@@ -42,6 +42,7 @@ from colo_rl.timing import SetupStages, StepTimer, engine_log_status, host_metri
 from colo_rl.trainer import (CheckpointError, GRPOTrainer, Offloader, TrainingDiverged, load_checkpoint,
                              save_checkpoint)
 from colo_rl.trainer.checkpoint import check_compatible
+from colo_rl.trainer.flops import peak_tflops, perf_metrics
 from colo_rl.trainer.grpo import group_advantages
 
 log = logging.getLogger("colo_rl")
@@ -473,6 +474,8 @@ def train_one_step(step: int, settings: RunConfig, task: Task, trainer: GRPOTrai
                                                engine_logprobs=rollouts.logprobs)
         metrics = {**rollouts.metrics, **timer.metrics, **train_metrics, **offloader.background_stats(),
                    "train/trainable_params": float(trainer.trainable_params)}
+        metrics.update(perf_metrics(trainer.last_step_flops, timer.metrics["timing/train_s"],
+                                    peak_tflops(settings.trainer.peak_tflops, trainer.device)))
         if torch.cuda.is_available():
             metrics["memory/trainer_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
         metrics.update(host_metrics(generator.process.pid if generator.process else None))

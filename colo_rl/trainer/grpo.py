@@ -16,8 +16,10 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+import torch.utils.checkpoint
 
 from colo_rl.config import TrainerConfig
+from colo_rl.trainer.flops import ModelShape, step_flops
 from colo_rl.lora import is_lora, trainable_parameters
 from colo_rl.parallel import Parallel
 
@@ -228,6 +230,8 @@ class GRPOTrainer:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             model.train()  # Hugging Face checkpoints activations only in training mode
         self.parallel = parallel or Parallel.single()
+        self.shape = ModelShape.of(model)  # before FSDP shards it; for perf/* (colo_rl/trainer/flops.py)
+        self.last_step_flops = 0.0  # model FLOPs of the last train_step
         self.forward_model = _wrap(model, self.parallel, device)  # what runs forward/backward
         self.cfg = cfg
         self.pad_token_id = pad_token_id
@@ -274,6 +278,9 @@ class GRPOTrainer:
             updates.append(stats)
             if stats["skipped"]:  # the next update would start from the same state
                 break
+        self.last_step_flops = step_flops(self.shape, [len(p) for p in prompt_ids for _ in range(group_size)],
+                                          [len(c) for c in completion_ids], updates=len(updates),
+                                          reference_forward=self.cfg.kl_coef > 0)
         skipped = updates[-1]["skipped"]
         self.nonfinite_in_a_row = self.nonfinite_in_a_row + 1 if skipped else 0
         self.nonfinite_total += int(skipped)
@@ -363,9 +370,17 @@ class GRPOTrainer:
                  "kl": kl_sum / tokens, "skipped": bad}, logprobs_before)
 
     def _token_logprobs(self, model: torch.nn.Module, mb: _MicroBatch) -> torch.Tensor:
-        """(b, T) log-probs of the response tokens, at the sampling temperature."""
+        """(b, T) log-probs of the response tokens, at the sampling temperature.
+
+        trainer.logprob_chunk > 0: the output head runs only on the response positions, that many
+        at a time, each chunk's logits recomputed in backward (see _chunked_head); padded positions
+        get 0. 0: the whole (b, L, vocab) logits, then log_softmax over the gathered positions."""
         with torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype or torch.bfloat16,
                             enabled=self.autocast_dtype is not None):
+            if self.cfg.logprob_chunk:
+                with _chunked_head(model, mb, self.temperature, self.cfg.logprob_chunk):
+                    # the patched head returns the (b, T) log-probs in the logits' place
+                    return model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
             logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
         # The logits at position t predict token t + 1.
         index = (mb.positions - 1).clamp(min=0).unsqueeze(-1).expand(-1, -1, logits.size(-1))
@@ -480,6 +495,66 @@ def _gradient_sync(forward_model: torch.nn.Module, parallel: Parallel, sync: boo
         yield
     else:
         yield
+
+
+def _output_head(model: torch.nn.Module) -> torch.nn.Module:
+    """The Hugging Face output head (lm_head) under DDP, FSDP2 (in place) and peft wrappers."""
+    inner = model.module if hasattr(model, "no_sync") and hasattr(model, "module") else model  # DDP
+    head = inner.get_output_embeddings()
+    if head is None:
+        raise ValueError(f"{type(inner).__name__} has no output head (get_output_embeddings() is None): "
+                         "set trainer.logprob_chunk=0")
+    return head
+
+
+def _chunk_logprobs(head_forward, hidden: torch.Tensor, targets: torch.Tensor,
+                    temperature: float) -> torch.Tensor:
+    """(n,) log-probs of `targets` from (n, hidden) states: the head in the autocast dtype, the
+    log-sum-exp in fp32 (as the full path's `.float().log_softmax`)."""
+    logits = head_forward(hidden).float()
+    if temperature > 0:  # in place: no second chunk of logits (the matmul's backward needs its inputs only)
+        logits = logits.div_(temperature)
+    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(dim=-1)
+
+
+@contextmanager
+def _chunked_head(model: torch.nn.Module, mb: _MicroBatch, temperature: float, chunk: int):
+    """While active, the model's output head maps the final hidden states (b, L, hidden) to the
+    (b, T) log-probs of mb's response tokens, never the (b, L, vocab) logits: it gathers the
+    states that predict each real response token, applies the head to `chunk` of them at a time
+    and keeps only each one's log-sum-exp and target logit. Each chunk runs under activation
+    checkpointing, so backward too holds one chunk's logits at a time. Patching the head (rather
+    than calling the decoder and the head separately) keeps the model's own forward, and with it
+    the DDP, FSDP2 and peft hooks around it, exactly as the full path runs them."""
+    head = _output_head(model)
+    own = "forward" in head.__dict__  # an instance-level forward (e.g. accelerate's hooks) to restore
+    original = head.forward
+    real = mb.mask.bool()
+    if not real.any():  # every completion empty: still one graph through the head, as the full path
+        real = torch.ones_like(real)
+    rows, cols = real.nonzero(as_tuple=True)
+    source = (mb.positions[rows, cols] - 1).clamp(min=0)  # the state at t predicts token t + 1
+    targets = mb.input_ids[rows, mb.positions[rows, cols]]
+
+    def forward(hidden: torch.Tensor) -> torch.Tensor:
+        states = hidden[rows, source]  # (n, hidden)
+        grad = torch.is_grad_enabled() and states.requires_grad
+        values = []
+        for start in range(0, states.size(0), chunk):
+            args = (original, states[start:start + chunk], targets[start:start + chunk], temperature)
+            values.append(torch.utils.checkpoint.checkpoint(_chunk_logprobs, *args, use_reentrant=False)
+                          if grad else _chunk_logprobs(*args))
+        out = torch.zeros(real.shape, dtype=torch.float32, device=hidden.device)
+        return out.index_put((rows, cols), torch.cat(values))
+
+    head.forward = forward
+    try:
+        yield
+    finally:
+        if own:
+            head.forward = original
+        else:
+            del head.forward  # back to the class's forward
 
 
 def _frozen_copy(model: torch.nn.Module) -> torch.nn.Module:

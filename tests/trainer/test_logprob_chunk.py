@@ -1,0 +1,124 @@
+"""trainer.logprob_chunk: the output head over chunks of response positions (never the full
+(b, L, vocab) logits) gives the full path's log-probs, loss and gradients."""
+
+from __future__ import annotations
+
+import torch
+import pytest
+
+from colo_rl.config import LoraConfig, ModelConfig, TrainerConfig
+from colo_rl.lora import apply_lora
+from colo_rl.models import load_policy, write_embedded_model
+from colo_rl.trainer import GRPOTrainer
+from colo_rl.trainer.grpo import _output_head
+
+PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+GROUP = 3
+# different lengths and an empty completion: padding and masking are exercised
+COMPLETIONS = [[14 + (i * 7 + j) % 40 for j in range(i % 5)] for i in range(len(PROMPTS) * GROUP)]
+REWARDS = [float((i * 5) % 3) / 2 for i in range(len(COMPLETIONS))]
+# fp32 on a CPU: the chunked head computes the same matmuls on fewer rows and the same fp32
+# log-sum-exp; the observed differences are a few fp32 ulp of the matmul sums (<= ~4e-6 relative
+# with LoRA on the head, where peft adds B @ A x on differently shaped rows)
+RTOL, ATOL = 1e-5, 1e-5
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_embedded_model(ModelConfig(), tmp_path_factory.mktemp("policy"))
+
+
+def policy(model_dir, lora=None):
+    torch.manual_seed(0)
+    model = load_policy(ModelConfig(), model_dir, "cpu")
+    if lora is not None:
+        model = apply_lora(model, LoraConfig(rank=4, target_modules=lora), torch.float32)
+        g = torch.Generator().manual_seed(1)  # B starts at 0: give the adapters weight
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.requires_grad:
+                    p.add_(torch.randn(p.shape, generator=g) * 0.2)
+    return model
+
+
+def trainer(model, chunk, temperature=0.7, **cfg):
+    return GRPOTrainer(model, TrainerConfig(logprob_chunk=chunk, **cfg), pad_token_id=0,
+                       temperature=temperature, max_tokens=8, device="cpu")
+
+
+def logprobs_loss_grads(t: GRPOTrainer):
+    """Per micro-batch log-probs (real tokens), then one update's loss and gradients (SGD lr 0 keeps
+    the parameters, so the gradients are those of the same state)."""
+    micro = t._micro_batches([p for p in PROMPTS for _ in range(GROUP)], COMPLETIONS,
+                             torch.tensor(REWARDS) - 0.4, None)
+    with torch.no_grad():
+        logprobs = [t._token_logprobs(t.forward_model, mb)[mb.mask.bool()] for mb in micro]
+    grads = {}
+
+    def keep():
+        for n, p in t.model.named_parameters():
+            if p.grad is not None:
+                grads[n] = p.grad.detach().clone()
+
+    t.optimizer = torch.optim.SGD([p for p in t.model.parameters() if p.requires_grad], lr=0.0)
+    t.optimizer.step = keep  # read the accumulated gradients where the step would use them
+    stats, before = t._update(micro, None, [None] * len(micro), normalizer=7.0)
+    return logprobs, stats, grads, before
+
+
+@pytest.mark.parametrize("lora", [None, ["q_proj", "v_proj"], ["q_proj", "lm_head"]],
+                         ids=["full", "lora", "lora-on-head"])
+@pytest.mark.parametrize("chunk", [1, 5, 1024])
+def test_chunked_logprobs_loss_and_gradients_equal_the_full_logits_path(model_dir, lora, chunk):
+    full = logprobs_loss_grads(trainer(policy(model_dir, lora), 0, micro_batch_size=4))
+    chunked = logprobs_loss_grads(trainer(policy(model_dir, lora), chunk, micro_batch_size=4))
+    for a, b in zip(full[0], chunked[0]):
+        torch.testing.assert_close(b, a, rtol=RTOL, atol=ATOL)
+    assert full[1]["loss"] != 0
+    assert abs(chunked[1]["loss"] - full[1]["loss"]) <= RTOL * abs(full[1]["loss"]) + ATOL
+    assert chunked[1]["grad_norm"] == pytest.approx(full[1]["grad_norm"], rel=RTOL)
+    assert full[2].keys() == chunked[2].keys() and full[2]
+    if lora is None:
+        assert "lm_head.weight" in full[2] or "model.embed_tokens.weight" in full[2]
+    for name in full[2]:
+        torch.testing.assert_close(chunked[2][name], full[2][name], rtol=1e-5, atol=1e-7)
+    # padded positions: 0 from the chunked path (the loss masks them either way)
+    mb_mask = [t for t in chunked[3]]
+    assert all(torch.isfinite(t).all() for t in mb_mask)
+
+
+def test_a_full_step_with_kl_and_several_updates_gives_the_same_parameters(model_dir):
+    """The reference (a no-grad forward through the frozen copy) and the PPO-clipped updates go
+    through the chunked head too."""
+    results = []
+    for chunk in (0, 3):
+        t = trainer(policy(model_dir), chunk, micro_batch_size=4, kl_coef=0.1, updates_per_batch=2)
+        # SGD: Adam's first step divides by |g|, which turns ulp-level differences of near-zero
+        # gradients into different updates
+        t.optimizer = torch.optim.SGD(t.model.parameters(), lr=0.5)
+        metrics = t.train_step(PROMPTS, COMPLETIONS, REWARDS, GROUP)
+        results.append((metrics, {n: p.detach().clone() for n, p in t.model.named_parameters()}))
+    (m0, p0), (m1, p1) = results
+    assert m0["train/kl"] > 0
+    for key in ("train/loss", "train/grad_norm", "train/kl", "train/clip_frac"):
+        assert m1[key] == pytest.approx(m0[key], rel=1e-5, abs=1e-7), key
+    for name in p0:
+        torch.testing.assert_close(p1[name], p0[name], rtol=1e-5, atol=1e-6)
+
+
+def test_all_empty_completions_still_step_and_the_head_is_restored(model_dir):
+    model = policy(model_dir)
+    t = trainer(model, 4)
+    metrics = t.train_step(PROMPTS, [[]] * len(COMPLETIONS), REWARDS, GROUP)
+    assert metrics["train/loss"] == 0.0 and metrics["train/response_tokens"] == 0.0
+    head = _output_head(model)
+    assert "forward" not in head.__dict__  # the class's forward again: plain calls give logits
+    out = model(input_ids=torch.tensor([[5, 6, 7]])).logits
+    assert out.shape == (1, 3, model.config.vocab_size)
+
+
+def test_a_negative_chunk_is_refused_naming_the_key():
+    from colo_rl.config import ConfigError
+
+    with pytest.raises(ConfigError, match="trainer.logprob_chunk=-1"):
+        TrainerConfig(logprob_chunk=-1)
