@@ -120,7 +120,9 @@ class GeneratorConfig:
 
     python: str = ""  # interpreter of the engine's environment; "" means this one
     device: str = "auto"  # auto | cuda | cpu
-    gpu_memory_utilization: float = 0.5  # fraction of the GPU the engine may take while awake
+    # fraction of the GPU the engine may take while awake; auto: the start-up memory plan
+    # (colo_rl.planner) gives it the KV cache of every sequence of a step, or what is left
+    gpu_memory_utilization: Any = 0.5
     staging_dir: str = "auto"  # weight files for weight_sync=file; auto: /dev/shm when present
     max_model_len: int = 256
     max_num_seqs: int = 256
@@ -140,8 +142,9 @@ class GeneratorConfig:
 
     def __post_init__(self) -> None:
         _one_of("generator.device", self.device, ("auto", "cuda", "cpu"))
-        _check(0 < self.gpu_memory_utilization <= 1, "generator.gpu_memory_utilization",
-               self.gpu_memory_utilization, "must be in (0, 1]")
+        u = self.gpu_memory_utilization
+        _check(u == "auto" or (isinstance(u, (int, float)) and not isinstance(u, bool) and 0 < u <= 1),
+               "generator.gpu_memory_utilization", u, "must be in (0, 1] or auto")
         _one_of("generator.sleep_level", self.sleep_level, (1, 2))
         _one_of("generator.weight_sync", self.weight_sync, ("auto", "file", "cuda_ipc"))
         for key in ("max_model_len", "max_num_seqs"):
@@ -225,7 +228,10 @@ class TrainerConfig:
     # known GPU (H100/H200 989, A100 312; colo_rl/trainer/flops.py), none logged on a CPU or other GPU
     peak_tflops: Optional[float] = None
     gradient_checkpointing: bool = False  # recompute activations in backward: less memory, ~1.3x the compute
-    offload: str = "all"  # all | optimizer | none: what leaves the GPU while the engine is awake
+    # auto | all | optimizer | none: what leaves the GPU while the engine is awake. auto: the
+    # start-up memory plan (colo_rl.planner) keeps on the GPU whatever fits beside the awake engine
+    # (on a CPU: all, as the CPU path always did)
+    offload: str = "auto"
     overlap_restore: bool = True  # CUDA: AdamW state comes back on a side stream, under the next step's work
     # Restore before the engine sleeps when the GPU has room for both (checked every step): the
     # copies then run before the engine frees its memory, not in the contended second after
@@ -245,11 +251,13 @@ class TrainerConfig:
         _one_of("trainer.device", self.device, ("auto", "cuda", "cpu"))
         _one_of("trainer.advantage_norm", self.advantage_norm, ("mean", "std"))
         _one_of("trainer.loss_agg", self.loss_agg, ("token", "sequence", "constant"))
-        _one_of("trainer.offload", self.offload, ("all", "optimizer", "none"))
+        _one_of("trainer.offload", self.offload, ("auto", "all", "optimizer", "none"))
         _one_of("trainer.precision", self.precision, ("auto", "mixed", "pure"))
         _one_of("trainer.optimizer", self.optimizer, OPTIMIZERS)
         _one_of("trainer.parallel", self.parallel, ("none", "ddp", "fsdp"))
         if self.parallel == "fsdp":
+            if self.offload == "auto":
+                self.offload = "none"
             _check(self.offload == "none", "trainer.offload", self.offload,
                    "must be none with trainer.parallel=fsdp (the shards stay on their GPUs; "
                    "use trainer.parallel=ddp to offload)")

@@ -218,3 +218,26 @@ def print_summary(records: list[dict], output_dir: Path) -> None:
     peaks = [r["memory/trainer_peak_gib"] for r in records if "memory/trainer_peak_gib" in r]
     if peaks:
         console.print(f"trainer peak GPU memory: {max(peaks):.2f} GiB")
+    memory_rows = predicted_vs_measured(records)
+    if memory_rows:
+        memory = Table(title="GPU memory: the start-up plan (colo_rl.planner) against the run")
+        for column in ("key", "predicted GiB", "measured GiB", "measured / predicted"):
+            memory.add_column(column, justify="left" if column == "key" else "right")
+        for key, predicted, measured in memory_rows:
+            memory.add_row(key, f"{predicted:.2f}", f"{measured:.2f}",
+                           f"{measured / predicted:.2f}" if predicted else "-")
+        console.print(memory)
+
+
+def predicted_vs_measured(records: list[dict]) -> list[tuple[str, float, float]]:
+    """(measured key, predicted GiB, measured GiB) for every memory/<k>_predicted_gib the run
+    logged whose memory/<k>_gib it also measured: the largest trainer peak, the least free memory."""
+    rows = []
+    predicted = {k: v for r in records for k, v in r.items()
+                 if k.startswith("memory/") and k.endswith("_predicted_gib")}
+    for key, value in predicted.items():
+        measured_key = key.removesuffix("_predicted_gib") + "_gib"
+        measured = [r[measured_key] for r in records if measured_key in r]
+        if measured:
+            rows.append((measured_key, value, max(measured) if "peak" in key else min(measured)))
+    return rows

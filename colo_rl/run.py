@@ -36,6 +36,7 @@ from colo_rl.lora import load_trainer_policy
 from colo_rl.metrics import SWITCH_PHASES, MetricsLogger, print_summary
 from colo_rl.models import DTYPES, load_tokenizer, prepare_model_dir
 from colo_rl.parallel import Parallel, reduce_step_metrics
+from colo_rl.planner import plan_run
 from colo_rl.rundir import RunDirLock
 from colo_rl.tasks import Batch, Task
 from colo_rl.timing import SetupStages, StepTimer, engine_log_status, host_metrics
@@ -183,6 +184,9 @@ def _train(cfg: DictConfig, settings: RunConfig, generator: VLLMGenerator | None
     stages.mark("tokenizer", f"model files in {model_dir}, tokenizer of {len(tokenizer)} tokens")
     task = Task.setup(settings, tokenizer)  # data, prompt lengths, rewards: before any engine
     stages.mark("task", f"task {settings.task.name} ready: {len(task.train)} training prompts")
+    # The memory plan: trainer.offload and generator.gpu_memory_utilization `auto` become values
+    # here, and a config whose trainer or engine cannot fit is refused, before anything is built.
+    plan = plan_run(settings, model_dir, device, task, show=par.is_main)
     torch.manual_seed(t.seed)
     policy = load_trainer_policy(settings, model_dir, device)
     mixed = trainer_precision(settings) == "mixed"
@@ -235,7 +239,7 @@ def _train(cfg: DictConfig, settings: RunConfig, generator: VLLMGenerator | None
                                enabled=par.is_main)
         with logger:
             stages.mark("logger", f"logging to {logger.path}" + (" and a W&B run" if logger.run else ""))
-            logger.add_to_next({**stages.finish(), **task.setup_metrics})
+            logger.add_to_next({**stages.finish(), **task.setup_metrics, **plan.metrics()})
             _loop(settings, task, trainer, offloader, generator, logger, guard, par, start_step,
                   checkpoint_dir, owns_generator, {"config": resolved, "model_dir": model_dir})
     if t.export_final and par.is_main:

@@ -130,7 +130,7 @@ def test_contradictions_are_refused_naming_both_keys():
     with pytest.raises(ConfigError, match="cuda_ipc.*trainer.device=cpu"):
         validate(compose_config("generator.weight_sync=cuda_ipc", "trainer.device=cpu"))
     with pytest.raises(ConfigError, match="trainer.offload='all' must be none with trainer.parallel=fsdp"):
-        validate(compose_config("trainer.parallel=fsdp"))
+        validate(compose_config("trainer.parallel=fsdp", "trainer.offload=all"))
     with pytest.raises(ConfigError, match="trainer.kl_coef=0.1 must be 0 with trainer.parallel=fsdp"):
         validate(compose_config("trainer.parallel=fsdp", "trainer.offload=none", "trainer.kl_coef=0.1"))
 

@@ -29,9 +29,13 @@ def read_metrics(output_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_shortened_default_run_logs_every_phase_and_leaves_no_engine(tmp_path):
+def test_shortened_default_run_logs_every_phase_and_leaves_no_engine(tmp_path, capsys):
     before = engine_processes()
     result = train(compose_config(*small_run_overrides(tmp_path)))
+    # the memory plan, printed before the engine started: trainer.offload=auto is `all` on the CPU
+    out = capsys.readouterr().out
+    assert "memory plan (CPU run" in out and "trainer.offload -> all" in out
+    assert out.index("memory plan") < out.index("colo_rl: ") if "colo_rl: " in out else True
     records = read_metrics(tmp_path)
     assert [r["train/step"] for r in records] == [0, 1, 2]
     for record in records:

@@ -1,0 +1,400 @@
+"""The GPU memory plan, made at start-up before the engine starts: what each part of the time-share
+takes, where it lives while the engine is awake and while the trainer trains, and from it
+`trainer.offload=auto` (none | optimizer | all) and `generator.gpu_memory_utilization=auto`.
+
+Everything is arithmetic on the model's config (no model is built), the trainer's precision and
+optimizer, LoRA, the micro-batch and sequence length, and the device's free and total memory
+(injectable, so tests plan for any card). A config that cannot fit is refused with one ConfigError
+naming the key to change and the value that would fit.
+
+Calibration (benchmarks/RESULTS.md, H200, OLMo-2-1B shape, fp32 masters + AdamW, micro-batch 16 x
+384 tokens): the activation coefficients below are fitted to the two measured trainer peaks
+(45.8 GiB without gradient checkpointing, 29.2 GiB with), so on that shape they reproduce them; the
+engine's asleep residue is the measured 1.19 GiB. Other shapes, sequence lengths and optimizers are
+extrapolated from these two points: expect the trainer's peak within about 15 %, the awake phase
+(vLLM's own budget plus the trainer's resident state) within about 5 %. The margin covers that.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from colo_rl.config import ConfigError, RunConfig, trainer_precision
+
+log = logging.getLogger("colo_rl")
+
+GIB = 2**30
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+ENGINE_ASLEEP_GIB = 1.19  # a sleeping vLLM 0.26 engine with CUDA graphs (H200, RESULTS.md)
+# vLLM's own activations and sampler buffers inside its budget (its profiling run): not measured
+# here; 1 GiB is a reserve for the 1B-7B shapes at the default max_num_seqs
+ENGINE_ACTIVATION_GIB = 1.0
+TRAINER_CONTEXT_GIB = 0.5  # the trainer process's CUDA context and kernels: outside torch's counters
+# Activations per token per decoder layer, in elements of the compute dtype: 32 x hidden + 4 x
+# intermediate (fitted: 48 x hidden on the 1B shape, whose intermediate is 4 x hidden).
+ACT_HIDDEN, ACT_INTERMEDIATE = 32, 4
+# The loss's fp32 logits and what is computed from them (log-softmax, their gradient) peak at this
+# many b x T x vocab fp32 tensors at once (fitted on the same two runs).
+LOGITS_COPIES = 1.25
+MARGIN_FRACTION, MARGIN_MIN_GIB = 0.05, 1.0  # kept free: 5 % of the free memory, at least 1 GiB
+OFFLOAD_CHOICES = ("none", "optimizer", "all")  # least offload first
+CPU_OFFLOAD = "all"  # on the CPU there is no GPU memory to plan: the path runs as before auto existed
+
+
+@dataclass
+class Shape:
+    """What the plan needs of a decoder-only transformer's config."""
+
+    model_type: str
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied: bool
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+
+    @classmethod
+    def from_hf_config(cls, config) -> "Shape":
+        """From a transformers PretrainedConfig (or its text_config for multimodal ones)."""
+        config = getattr(config, "text_config", None) or config
+        heads = config.num_attention_heads
+        hidden = config.hidden_size
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        qwen2 = config.model_type == "qwen2"
+        return cls(model_type=config.model_type, hidden=hidden, intermediate=config.intermediate_size,
+                   layers=config.num_hidden_layers, heads=heads,
+                   kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+                   head_dim=getattr(config, "head_dim", None) or hidden // heads,
+                   vocab=config.vocab_size, tied=bool(getattr(config, "tie_word_embeddings", False)),
+                   qkv_bias=attention_bias or qwen2, o_bias=attention_bias and not qwen2,
+                   mlp_bias=bool(getattr(config, "mlp_bias", False)))
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path) -> "Shape":
+        from transformers import AutoConfig
+
+        return cls.from_hf_config(AutoConfig.from_pretrained(model_dir))
+
+    def linears(self) -> dict[str, tuple[int, int]]:
+        """(in, out) features of each linear layer of one decoder layer, by module name."""
+        q, kv, h, i = self.heads * self.head_dim, self.kv_heads * self.head_dim, self.hidden, self.intermediate
+        return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+                "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+    def parameters(self) -> int:
+        """The parameter count, as the built model's numel() (tied embeddings counted once)."""
+        q, kv, h, i = self.heads * self.head_dim, self.kv_heads * self.head_dim, self.hidden, self.intermediate
+        layer = sum(a * b for a, b in self.linears().values())
+        layer += (q + 2 * kv) * self.qkv_bias + h * self.o_bias + (2 * i + h) * self.mlp_bias
+        layer += 2 * h  # two RMSNorms
+        if self.model_type == "olmo2":
+            layer += q + kv  # q_norm, k_norm
+        return self.layers * layer + h + self.vocab * h * (1 if self.tied else 2)
+
+    def lora_parameters(self, rank: int, targets: list[str]) -> int:
+        """Adapter parameters: rank x (in + out) per adapted linear layer (every one by default)."""
+        linears = self.linears()
+        names = [n for n in linears if _targeted(n, targets)]
+        return self.layers * sum(rank * sum(linears[n]) for n in names)
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes
+
+
+def _targeted(name: str, targets: list[str]) -> bool:
+    """Whether LoRA adapts the linear `name` (q_proj, ...): every one when `targets` is empty."""
+    return not targets or any(t == name or t.endswith("." + name) for t in targets)
+
+
+@dataclass
+class Component:
+    name: str
+    bytes: float
+    awake: str  # where it is while the engine is awake: GPU | host | - (does not exist then)
+    training: str  # while the trainer trains
+
+
+@dataclass
+class Plan:
+    """What was planned. `offload` and `gpu_memory_utilization` are what the run uses."""
+
+    offload: str
+    gpu_memory_utilization: float
+    components: list[Component]
+    total_gib: float | None = None  # None: a CPU run, nothing planned on a GPU
+    free_gib: float | None = None
+    margin_gib: float = 0.0
+    predicted: dict[str, float] = field(default_factory=dict)  # memory/<key>_predicted_gib
+    notes: list[str] = field(default_factory=list)
+
+    def table(self) -> str:
+        rows = [("component", "GiB", "engine awake", "training")]
+        rows += [(c.name, f"{c.bytes / GIB:.2f}", c.awake, c.training) for c in self.components]
+        widths = [max(len(r[k]) for r in rows) for k in range(4)]
+        lines = ["  ".join(cell.rjust(w) if k == 1 else cell.ljust(w) for k, (cell, w) in
+                           enumerate(zip(row, widths))).rstrip() for row in rows]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        if self.total_gib is None:
+            head = "memory plan (CPU run: no GPU memory to plan)"
+        else:
+            head = (f"memory plan: device {self.total_gib:.1f} GiB, {self.free_gib:.1f} GiB free before the "
+                    f"engine, margin {self.margin_gib:.1f} GiB")
+        tail = [f"trainer.offload -> {self.offload}",
+                f"generator.gpu_memory_utilization -> {self.gpu_memory_utilization:.3f}"]
+        tail += [f"predicted {k}: {v:.2f} GiB" for k, v in self.predicted.items()]
+        return "\n".join([head, *lines, *tail, *self.notes])
+
+    def metrics(self) -> dict[str, float]:
+        return {f"memory/{k}_predicted_gib": v for k, v in self.predicted.items()}
+
+
+@dataclass
+class _Sizes:
+    """The bytes of every part, for one setting of the knobs the refusal may suggest."""
+
+    weights: float
+    grads: float
+    optimizer: float
+    reference: float
+    push_copy: float
+    autocast: float
+    activations: float
+    engine_weights: float
+    kv_per_token: float
+
+    def trainer_peak(self) -> float:  # torch's max_memory_allocated over a train step
+        return self.weights + self.grads + self.optimizer + self.reference + self.autocast + self.activations
+
+    def awake_resident(self, offload: str) -> float:
+        """The trainer's tensors on the GPU while the engine generates (grads are None then)."""
+        return {"none": self.weights + self.optimizer, "optimizer": self.weights, "all": 0.0}[offload] \
+            + self.reference  # the frozen reference is not offloaded
+
+
+def sizes(settings: RunConfig, shape: Shape, seq_len: int, *, cuda: bool, micro_batch: int | None = None,
+          checkpointing: bool | None = None, optimizer: str | None = None) -> _Sizes:
+    t = settings.trainer
+    micro_batch = micro_batch or t.micro_batch_size
+    checkpointing = t.gradient_checkpointing if checkpointing is None else checkpointing
+    optimizer = optimizer or t.optimizer
+    mixed = trainer_precision(settings) == "mixed"
+    engine_b = DTYPE_BYTES[settings.model.dtype]
+    train_b = 4 if mixed else engine_b
+    total = shape.parameters()
+    lora = t.lora.rank > 0
+    trainable = shape.lora_parameters(t.lora.rank, list(t.lora.target_modules)) if lora else total
+    weights = total * engine_b + trainable * train_b if lora else total * train_b
+    state_b = {"adamw": 2 * train_b, "adamw_8bit": 2, "adamw_bf16_sr": 4}[optimizer]
+    if lora:  # the push merges each adapted weight into a fresh engine-dtype copy
+        adapted = shape.layers * sum(a * b for n, (a, b) in shape.linears().items()
+                                     if _targeted(n, list(t.lora.target_modules)))
+        push_copy = adapted * engine_b
+    else:
+        push_copy = total * engine_b if train_b != engine_b else 0
+    act_b = engine_b if (mixed and cuda) else train_b  # autocast computes in model.dtype on a GPU
+    tokens = micro_batch * seq_len
+    per_layer = tokens * act_b * (ACT_HIDDEN * shape.hidden + ACT_INTERMEDIATE * shape.intermediate)
+    if checkpointing:  # each layer's input is kept, one layer's activations are recomputed at a time
+        layers = shape.layers * tokens * shape.hidden * act_b + per_layer
+    else:
+        layers = shape.layers * per_layer
+    logits = LOGITS_COPIES * tokens * shape.vocab * 4
+    return _Sizes(weights=weights, grads=trainable * train_b, optimizer=trainable * state_b,
+                  reference=total * train_b if t.kl_coef > 0 and not lora else 0.0,
+                  push_copy=push_copy,
+                  autocast=trainable * engine_b if (mixed and cuda and not lora) else 0.0,
+                  activations=layers + logits, engine_weights=total * engine_b,
+                  kv_per_token=shape.kv_bytes_per_token(engine_b))
+
+
+def plan_memory(settings: RunConfig, shape: Shape, seq_len: int,
+                device_memory: tuple[int, int] | None) -> Plan:
+    """The plan for `settings` on a device with (free, total) bytes; None: a CPU run.
+
+    Raises ConfigError when nothing fits, naming the key to change and a value that would fit.
+    """
+    t, g = settings.trainer, settings.generator
+    cuda = device_memory is not None
+    s = sizes(settings, shape, seq_len, cuda=cuda)
+    asleep = ENGINE_ASLEEP_GIB * GIB if cuda else 0.0
+    components = [
+        Component("trainer weights" + (" (fp32 masters)" if trainer_precision(settings) == "mixed" else ""),
+                  s.weights, "", "GPU"),
+        Component("gradients", s.grads, "-", "GPU"),
+        Component(f"optimizer state ({t.optimizer})", s.optimizer, "", "GPU"),
+    ]
+    if s.reference:
+        components.append(Component("reference policy (kl_coef)", s.reference, "GPU", "GPU"))
+    if s.autocast:
+        components.append(Component(f"autocast {settings.model.dtype} weight copies", s.autocast, "-", "GPU"))
+    components.append(Component(f"activations ({t.micro_batch_size} x {seq_len} tokens"
+                                + (", checkpointed" if t.gradient_checkpointing else "") + ")",
+                                s.activations, "-", "GPU"))
+    if s.push_copy:
+        components.append(Component(f"push copy in {settings.model.dtype}", s.push_copy, "GPU (during push)", "-"))
+    components.append(Component(f"engine weights ({settings.model.dtype})", s.engine_weights, "GPU", "-"))
+
+    if not cuda:
+        offload = CPU_OFFLOAD if t.offload == "auto" else t.offload
+        util = g.gpu_memory_utilization if g.gpu_memory_utilization != "auto" else 0.5
+        _place(components, offload)
+        return Plan(offload, float(util), components,
+                    notes=[f"the engine's KV cache is generator.cpu_kvcache_gib={g.cpu_kvcache_gib} GiB of host memory"])
+
+    free, total = device_memory
+    margin = max(MARGIN_FRACTION * free, MARGIN_MIN_GIB * GIB)
+    room = free - margin - TRAINER_CONTEXT_GIB * GIB  # what the trainer's tensors and the engine share
+
+    # while training: the trainer's peak beside the sleeping engine
+    if s.trainer_peak() + asleep > room:
+        raise ConfigError(_refusal(settings, shape, seq_len, s, room - asleep, free, margin))
+
+    engine_fixed = s.engine_weights + asleep + ENGINE_ACTIVATION_GIB * GIB
+    engine_min = engine_fixed + g.max_model_len * s.kv_per_token  # one full sequence
+    sequences = min(g.max_num_seqs, settings.sampling.n * t.prompts_per_step)
+    engine_want = engine_fixed + sequences * g.max_model_len * s.kv_per_token
+    choices = OFFLOAD_CHOICES if t.offload == "auto" else (t.offload,)
+    chosen = budget = None
+    for offload in choices:
+        resident = s.awake_resident(offload)
+        # the push: the trainer's weights (+ state unless offloaded) + the engine-dtype copy + the
+        # engine's weights, woken before its KV cache
+        push = (s.weights + s.reference + (s.optimizer if offload == "none" else 0) + s.push_copy
+                + s.engine_weights + asleep)
+        if push > room:
+            continue
+        if g.gpu_memory_utilization == "auto":
+            if resident + engine_want <= room:
+                chosen, budget = offload, engine_want
+                break
+        elif resident + g.gpu_memory_utilization * total <= room:
+            chosen, budget = offload, g.gpu_memory_utilization * total
+            break
+    if chosen is None and g.gpu_memory_utilization == "auto":
+        # no offload leaves room for every sequence's KV cache at once: offload the most, give the
+        # engine the rest (vLLM queues what does not fit)
+        last = choices[-1]
+        if s.awake_resident(last) + engine_min <= room:
+            chosen, budget = last, room - s.awake_resident(last)
+    if chosen is None:
+        most = choices[-1]
+        fits = (room - s.awake_resident(most)) / total
+        if g.gpu_memory_utilization != "auto" and fits * total >= engine_min:
+            raise ConfigError(
+                f"generator.gpu_memory_utilization={g.gpu_memory_utilization} gives the engine "
+                f"{g.gpu_memory_utilization * total / GIB:.1f} GiB, but {free / GIB:.1f} GiB are free and the trainer "
+                f"keeps {s.awake_resident(most) / GIB:.1f} GiB beside the awake engine with trainer.offload={most} "
+                f"(margin {margin / GIB:.1f} GiB): use generator.gpu_memory_utilization={int(fits * 1000) / 1000} "
+                "or auto" + ("" if t.offload == "auto" else ", or trainer.offload=auto"))
+        raise ConfigError(
+            f"generator.max_model_len={g.max_model_len}: the engine needs {engine_min / GIB:.1f} GiB awake "
+            f"(weights {s.engine_weights / GIB:.1f} GiB + one sequence's KV cache) but only "
+            f"{(room - s.awake_resident(most)) / GIB:.1f} GiB are left beside the trainer with "
+            f"trainer.offload={most} on a device with {free / GIB:.1f} GiB free: "
+            + ("use trainer.offload=auto" if t.offload != "auto" else
+               "lower generator.max_model_len, use a 16-bit model.dtype or a GPU with more memory"))
+    util = budget / total
+    if g.gpu_memory_utilization == "auto":
+        util = int(util * 1000) / 1000  # vLLM's budget: round down
+    kv = util * total - engine_fixed
+    resident = s.awake_resident(chosen)
+    components.append(Component("engine KV cache", kv, "GPU", "-"))
+    components.append(Component("engine asleep (CUDA graphs, context)", asleep, "GPU", "GPU"))
+    _place(components, chosen)
+    predicted = {
+        # the trainer's peak as torch counts it (memory/trainer_peak_gib)
+        "trainer_peak": s.trainer_peak() / GIB,
+        # free device memory with the engine awake (memory/free_after_wake_kv_gib)
+        "free_after_wake_kv": (free - TRAINER_CONTEXT_GIB * GIB - resident - util * total) / GIB,
+    }
+    notes = []
+    if t.offload == "auto":
+        notes.append(f"offload=auto: {chosen} is the least offload with the awake engine's "
+                     f"{util * total / GIB:.1f} GiB, the trainer's {resident / GIB:.1f} GiB and the margin on the device")
+    return Plan(chosen, util, components, total_gib=total / GIB, free_gib=free / GIB, margin_gib=margin / GIB,
+                predicted=predicted, notes=notes)
+
+
+def _place(components: list[Component], offload: str) -> None:
+    for c in components:
+        if c.awake == "":
+            offloaded = offload == "all" or (offload == "optimizer" and c.name.startswith("optimizer"))
+            c.awake = "host" if offloaded else "GPU"
+
+
+def _refusal(settings: RunConfig, shape: Shape, seq_len: int, s: _Sizes, room: float, free: float,
+             margin: float) -> str:
+    """The message for a trainer whose training phase does not fit in `room` bytes."""
+    t = settings.trainer
+    head = (f"the trainer needs ~{s.trainer_peak() / GIB:.1f} GiB while training (weights {s.weights / GIB:.1f}, "
+            f"gradients {s.grads / GIB:.1f}, optimizer {s.optimizer / GIB:.1f}, activations "
+            f"{s.activations / GIB:.1f} GiB) but {room / GIB:.1f} GiB are left of {free / GIB:.1f} GiB free "
+            f"(beside the sleeping engine, margin {margin / GIB:.1f} GiB): ")
+    cuda = True
+
+    def fits(**knobs) -> bool:
+        return sizes(settings, shape, seq_len, cuda=cuda, **knobs).trainer_peak() <= room
+
+    def largest_micro_batch(**knobs) -> int:
+        return max((b for b in range(1, t.micro_batch_size) if fits(micro_batch=b, **knobs)), default=0)
+
+    b = largest_micro_batch()
+    if b:
+        return head + (f"trainer.micro_batch_size={t.micro_batch_size} needs ~{s.activations / GIB:.1f} GiB "
+                       f"of activations; {b} fits")
+    if not t.gradient_checkpointing:
+        if fits(checkpointing=True):
+            return head + "use trainer.gradient_checkpointing=true"
+        b = largest_micro_batch(checkpointing=True)
+        if b:
+            return head + f"use trainer.gradient_checkpointing=true with trainer.micro_batch_size={b}"
+    if t.optimizer == "adamw" and fits(optimizer="adamw_8bit", micro_batch=1, checkpointing=True):
+        return head + ("use trainer.optimizer=adamw_8bit (2 bytes of optimizer state per parameter), "
+                       "with trainer.gradient_checkpointing=true and a smaller trainer.micro_batch_size if needed")
+    if not t.lora.rank:
+        return head + "use trainer.lora.rank=16 (LoRA: gradients and optimizer state for the adapters only)"
+    return head + "use a smaller model or a GPU with more memory"
+
+
+def sequence_length(settings: RunConfig, task=None) -> int:
+    """The longest sequence the trainer sees: the longest prompt (of the task, when known) plus
+    sampling.max_tokens."""
+    s, g = settings.sampling, settings.generator
+    longest = settings.task.max_prompt_tokens or g.max_model_len - s.max_tokens
+    if task is not None:
+        from colo_rl.tasks import IDS
+
+        lengths = [len(ids) for ids in task.train[IDS]] if IDS in task.train.column_names else []
+        if lengths:
+            longest = max(lengths)
+    return longest + s.max_tokens
+
+
+def device_memory(device: str) -> tuple[int, int] | None:
+    """(free, total) bytes of `device`; None off CUDA."""
+    if not device.startswith("cuda"):
+        return None
+    import torch
+
+    return torch.cuda.mem_get_info(torch.device(device))
+
+
+def plan_run(settings: RunConfig, model_dir: Path, device: str, task=None,
+             memory: tuple[int, int] | None = None, show: bool = True) -> Plan:
+    """Plans the run and writes the resolved choices into `settings` (trainer.offload,
+    generator.gpu_memory_utilization); prints the table when `show`."""
+    shape = Shape.from_model_dir(model_dir)
+    plan = plan_memory(settings, shape, sequence_length(settings, task),
+                       memory if memory is not None else device_memory(device))
+    settings.trainer.offload = plan.offload
+    settings.generator.gpu_memory_utilization = plan.gpu_memory_utilization
+    if show:
+        print(plan.table(), flush=True)
+    return plan

@@ -1,0 +1,198 @@
+"""The start-up memory plan (colo_rl.planner): its arithmetic on known shapes, the choice of
+trainer.offload=auto as the free memory shrinks, and the refusal of a config that cannot fit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from colo_rl.config import ConfigError, validate
+from colo_rl.planner import GIB, Shape, plan_memory, sequence_length, sizes
+
+from .conftest import compose_config
+
+H200 = 143771 * 2**20  # torch.cuda.mem_get_info's total on the lent H200
+# benchmarks/peer_workload.py's workload: 128-token prompts + 256 new tokens, micro-batch 16
+PEER = ["model=olmo2_1b_shape", "trainer.prompts_per_step=32", "sampling.n=8", "sampling.max_tokens=256",
+        "trainer.micro_batch_size=16", "generator.max_model_len=512", "task.max_prompt_tokens=128"]
+
+
+def built_numel(config) -> int:
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())  # tied parameters are yielded once
+
+
+@pytest.mark.parametrize("make", [
+    lambda: __import__("transformers").Olmo2Config(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                                   num_attention_heads=2, num_key_value_heads=2, vocab_size=64,
+                                                   tie_word_embeddings=False),
+    lambda: __import__("transformers").Olmo2Config(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                                                   num_attention_heads=16, num_key_value_heads=16,
+                                                   vocab_size=100352, tie_word_embeddings=False),
+    lambda: __import__("transformers").Olmo2Config(hidden_size=256, intermediate_size=512, num_hidden_layers=3,
+                                                   num_attention_heads=8, num_key_value_heads=2, vocab_size=300,
+                                                   tie_word_embeddings=False),
+    lambda: __import__("transformers").Qwen2Config(hidden_size=192, intermediate_size=400, num_hidden_layers=2,
+                                                   num_attention_heads=6, num_key_value_heads=2, vocab_size=500,
+                                                   tie_word_embeddings=True),
+    lambda: __import__("transformers").LlamaConfig(hidden_size=128, intermediate_size=344, num_hidden_layers=2,
+                                                   num_attention_heads=4, num_key_value_heads=1, vocab_size=200,
+                                                   attention_bias=True, mlp_bias=True),
+], ids=["olmo2_tiny", "olmo2_1b_shape", "olmo2_gqa", "qwen2_tied", "llama_biases"])
+def test_parameter_count_from_the_config_equals_the_built_models(make):
+    config = make()
+    assert Shape.from_hf_config(config).parameters() == built_numel(config)
+
+
+def test_the_1b_shape_has_1_48_billion_parameters_and_lora_counts_peft_adapters(tmp_path):
+    from transformers import Olmo2Config
+
+    from colo_rl.config import LoraConfig
+    from colo_rl.lora import apply_lora
+    from colo_rl.models import load_policy
+
+    settings = validate(compose_config(*PEER))
+    e = settings.model.embedded
+    shape = Shape.from_hf_config(Olmo2Config(
+        hidden_size=e.hidden_size, intermediate_size=e.intermediate_size, num_hidden_layers=e.num_hidden_layers,
+        num_attention_heads=e.num_attention_heads, num_key_value_heads=e.num_key_value_heads,
+        vocab_size=e.vocab_size, tie_word_embeddings=False))
+    assert round(shape.parameters() / 1e9, 2) == 1.48
+    # LoRA: the adapters' count matches peft's on the tiny model, all layers and two of them
+    from colo_rl.models import prepare_model_dir
+
+    tiny = validate(compose_config())
+    model_dir = prepare_model_dir(tiny.model, tmp_path)
+    tiny_shape = Shape.from_model_dir(model_dir)
+    for targets in ([], ["q_proj", "mlp.down_proj"]):
+        model = apply_lora(load_policy(tiny.model, model_dir, "cpu"), LoraConfig(rank=4, target_modules=targets),
+                           adapter_dtype=torch.float32)
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        assert tiny_shape.lora_parameters(4, targets) == trainable
+
+
+def test_bytes_per_component_for_fp32_masters_8bit_adam_and_lora():
+    shape = Shape.from_hf_config(__import__("transformers").Olmo2Config(
+        hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=16,
+        num_key_value_heads=16, vocab_size=100352, tie_word_embeddings=False))
+    n = shape.parameters()
+    mixed = sizes(validate(compose_config(*PEER)), shape, 384, cuda=True)
+    assert (mixed.weights, mixed.grads, mixed.optimizer) == (4 * n, 4 * n, 8 * n)  # 16 bytes / parameter
+    assert mixed.push_copy == mixed.autocast == mixed.engine_weights == 2 * n  # bf16 copies of the masters
+    eight = sizes(validate(compose_config(*PEER, "trainer.optimizer=adamw_8bit")), shape, 384, cuda=True)
+    assert (eight.weights, eight.grads, eight.optimizer) == (4 * n, 4 * n, 2 * n)
+    pure = sizes(validate(compose_config(*PEER, "trainer.precision=pure")), shape, 384, cuda=True)
+    assert (pure.weights, pure.grads, pure.optimizer, pure.push_copy, pure.autocast) == (2 * n, 2 * n, 4 * n, 0, 0)
+    lora = sizes(validate(compose_config(*PEER, "trainer.lora.rank=16")), shape, 384, cuda=True)
+    a = shape.lora_parameters(16, [])
+    assert a == 16 * 16 * (4 * (2048 + 2048) + 3 * (2048 + 8192))
+    assert (lora.weights, lora.grads, lora.optimizer) == (2 * n + 4 * a, 4 * a, 8 * a)  # bf16 base, fp32 adapters
+    kl = sizes(validate(compose_config(*PEER, "trainer.kl_coef=0.1")), shape, 384, cuda=True)
+    assert kl.reference == 4 * n and mixed.reference == 0
+    # logits: 16 x 384 tokens x 100352 vocab in fp32 are 2.3 GiB a copy; checkpointing keeps them
+    assert mixed.activations > sizes(validate(compose_config(*PEER, "trainer.gradient_checkpointing=true")),
+                                     shape, 384, cuda=True).activations > 1.25 * 16 * 384 * 100352 * 4
+
+
+@pytest.mark.parametrize("checkpointing, measured", [(False, 45.8), (True, 29.2)])
+def test_trainer_peak_matches_the_h200_measurements(checkpointing, measured):
+    """benchmarks/RESULTS.md (2026-12-04, runs Q and R): torch's trainer peak on the peer workload."""
+    settings = validate(compose_config(*PEER, f"trainer.gradient_checkpointing={checkpointing}"))
+    shape = Shape.from_hf_config(__import__("transformers").Olmo2Config(
+        hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=16,
+        num_key_value_heads=16, vocab_size=100352, tie_word_embeddings=False))
+    assert sequence_length(settings) == 384
+    plan = plan_memory(settings, shape, 384, (H200 - 2 * GIB, H200))
+    assert plan.predicted["trainer_peak"] == pytest.approx(measured, rel=0.03)
+
+
+def one_b(*overrides):
+    settings = validate(compose_config(*PEER, *overrides))
+    shape = Shape.from_hf_config(__import__("transformers").Olmo2Config(
+        hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=16,
+        num_key_value_heads=16, vocab_size=100352, tie_word_embeddings=False))
+    return settings, shape
+
+
+def test_offload_auto_keeps_on_the_gpu_what_fits_beside_the_awake_engine():
+    settings, shape = one_b()
+    assert settings.trainer.offload == "auto"
+    chosen = {}
+    for free_gib in (138, 95, 90, 80):
+        plan = plan_memory(settings, shape, 384, (int(free_gib * GIB), H200))
+        chosen[free_gib] = plan.offload
+        assert plan.gpu_memory_utilization == 0.5  # fixed: the engine keeps its 70 GiB
+    # the whole H200: trainer state (16.5 GiB) beside the engine; less free memory: first the
+    # optimizer state (11 GiB) leaves, then the weights too
+    assert chosen == {138: "none", 95: "none", 90: "optimizer", 80: "all"}
+    table = plan_memory(settings, shape, 384, (138 * GIB, H200)).table()
+    assert "trainer.offload -> none" in table and "activations (16 x 384 tokens)" in table
+    assert "optimizer state (adamw)" in table and "engine asleep" in table
+
+
+def test_auto_kv_budget_shrinks_with_the_free_memory_and_offload_grows():
+    settings, shape = one_b("generator.gpu_memory_utilization=auto")
+    rich = plan_memory(settings, shape, 384, (138 * GIB, H200))
+    # every sequence of a step (256) at 512 tokens: 16 GiB of KV cache (128 KiB a token) + 2.76 GiB
+    # of bf16 weights + 1.19 GiB asleep + 1 GiB for vLLM's activations, of 140.4 GiB
+    assert rich.offload == "none" and rich.gpu_memory_utilization == pytest.approx(0.149, abs=0.002)
+    # the trainer's 45.8 GiB training peak needs more than the awake phase does: none all the way down
+    assert plan_memory(settings, shape, 384, (52 * GIB, H200)).offload == "none"
+    # long sequences: 256 x 2048 tokens of KV cache (64 GiB) make the awake phase the larger one
+    long, _ = one_b("generator.gpu_memory_utilization=auto", "generator.max_model_len=2048")
+    plans = {free: plan_memory(long, shape, 384, (free * GIB, H200)) for free in (138, 90, 75, 60)}
+    assert {free: p.offload for free, p in plans.items()} == {138: "none", 90: "optimizer", 75: "all", 60: "all"}
+    want = plans[138].gpu_memory_utilization
+    assert plans[90].gpu_memory_utilization == plans[75].gpu_memory_utilization == want
+    assert plans[60].gpu_memory_utilization < want  # the rest of the card: vLLM queues what does not fit
+    kv = next(c for c in plans[60].components if c.name == "engine KV cache").bytes
+    assert 2048 * 128 * 2**10 < kv < next(c for c in plans[138].components if c.name == "engine KV cache").bytes
+    for p in plans.values():
+        assert p.predicted["free_after_wake_kv"] >= p.margin_gib - 0.01
+
+
+def test_a_config_that_cannot_fit_is_refused_naming_the_key_and_what_fits():
+    settings, shape = one_b()
+    # 80 GiB free and the engine asked for 70: fits only with offload; forcing none is refused
+    forced, _ = one_b("trainer.offload=none")
+    with pytest.raises(ConfigError, match=r"generator.gpu_memory_utilization=0.5 gives the engine 70.2 GiB.*"
+                                          r"use generator.gpu_memory_utilization=0\.\d+ or auto, or trainer.offload=auto"):
+        plan_memory(forced, shape, 384, (80 * GIB, H200))
+    # a 24 GiB card: training alone needs ~46 GiB
+    with pytest.raises(ConfigError) as refused:
+        plan_memory(settings, shape, 384, (24 * GIB, H200))
+    message = str(refused.value)
+    assert "the trainer needs ~45.8 GiB while training" in message
+    assert "use trainer.optimizer=adamw_8bit" in message  # no micro-batch or checkpointing is enough
+    # a micro-batch that is too large for a card that holds the state: the largest that fits
+    with pytest.raises(ConfigError, match=r"trainer.micro_batch_size=16 needs ~20.9 GiB of activations; (\d+) fits") as mb:
+        plan_memory(settings, shape, 384, (40 * GIB, H200))
+    fits = int(mb.value.args[0].rsplit("; ", 1)[1].split()[0])
+    ok, _ = one_b(f"trainer.micro_batch_size={fits}", "generator.gpu_memory_utilization=auto")
+    assert plan_memory(ok, shape, 384, (40 * GIB, H200)).offload in ("none", "optimizer")
+    too_many, _ = one_b(f"trainer.micro_batch_size={fits + 1}", "generator.gpu_memory_utilization=auto")
+    with pytest.raises(ConfigError):
+        plan_memory(too_many, shape, 384, (40 * GIB, H200))
+
+
+def test_on_the_cpu_auto_offloads_everything_as_before_and_the_table_prints(tmp_path, capsys):
+    from colo_rl.models import prepare_model_dir
+    from colo_rl.planner import plan_run
+
+    settings = validate(compose_config("generator.gpu_memory_utilization=auto"))
+    plan = plan_run(settings, prepare_model_dir(settings.model, tmp_path), "cpu")
+    assert plan.offload == settings.trainer.offload == "all"
+    assert settings.generator.gpu_memory_utilization == 0.5
+    assert plan.metrics() == {}  # nothing measured on the CPU, nothing predicted
+    out = capsys.readouterr().out
+    assert "memory plan (CPU run" in out and "trainer.offload -> all" in out
+
+
+def test_config_accepts_auto_and_refuses_other_words():
+    assert validate(compose_config("generator.gpu_memory_utilization=auto")).generator.gpu_memory_utilization == "auto"
+    with pytest.raises(ConfigError, match="generator.gpu_memory_utilization='most' must be in \(0, 1\] or auto"):
+        validate(compose_config("generator.gpu_memory_utilization=most"))
+    assert validate(compose_config("trainer.parallel=fsdp")).trainer.offload == "none"
