@@ -220,11 +220,11 @@ def print_summary(records: list[dict], output_dir: Path) -> None:
         console.print(f"trainer peak GPU memory: {max(peaks):.2f} GiB")
     memory_rows = predicted_vs_measured(records)
     if memory_rows:
-        memory = Table(title="GPU memory: the start-up plan (colo_rl.planner) against the run")
-        for column in ("key", "predicted GiB", "measured GiB", "measured / predicted"):
+        memory = Table(title="GPU memory (memory/<key>_gib): planned at start-up, measured")
+        for column in ("key", "predicted GiB", "measured GiB", "ratio"):
             memory.add_column(column, justify="left" if column == "key" else "right")
         for key, predicted, measured in memory_rows:
-            memory.add_row(key, f"{predicted:.2f}", f"{measured:.2f}",
+            memory.add_row(key.removeprefix("memory/").removesuffix("_gib"), f"{predicted:.2f}", f"{measured:.2f}",
                            f"{measured / predicted:.2f}" if predicted else "-")
         console.print(memory)
 

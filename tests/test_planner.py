@@ -196,3 +196,20 @@ def test_config_accepts_auto_and_refuses_other_words():
     with pytest.raises(ConfigError, match="generator.gpu_memory_utilization='most' must be in \(0, 1\] or auto"):
         validate(compose_config("generator.gpu_memory_utilization=most"))
     assert validate(compose_config("trainer.parallel=fsdp")).trainer.offload == "none"
+
+
+def test_the_summary_shows_predicted_beside_measured(tmp_path, capsys):
+    from colo_rl.metrics import predicted_vs_measured, print_summary
+
+    records = [{"train/step": i, "reward/mean": 0.5, "timing/step_s": 1.0, "timing/generate_s": 0.5,
+                "memory/trainer_peak_gib": peak, "memory/free_after_wake_kv_gib": free}
+               for i, (peak, free) in enumerate([(44.0, 52.0), (46.0, 49.0)])]
+    records[0].update({"memory/trainer_peak_predicted_gib": 45.76, "memory/free_after_wake_kv_predicted_gib": 50.7})
+    assert predicted_vs_measured(records) == [("memory/trainer_peak_gib", 45.76, 46.0),
+                                              ("memory/free_after_wake_kv_gib", 50.7, 49.0)]
+    print_summary(records, tmp_path)
+    out = capsys.readouterr().out
+    assert "trainer_peak " in out and "free_after_wake_kv " in out and "45.76" in out and "46.00" in out and "1.01" in out
+    # a CPU run logs neither: no memory table
+    print_summary([{k: v for k, v in r.items() if not k.startswith("memory/")} for r in records], tmp_path)
+    assert "predicted" not in capsys.readouterr().out
