@@ -215,8 +215,9 @@ def sizes(settings: RunConfig, shape: Shape, seq_len: int, *, cuda: bool, micro_
 
 
 def plan_memory(settings: RunConfig, shape: Shape, seq_len: int,
-                device_memory: tuple[int, int] | None) -> Plan:
+                device_memory: tuple[int, int] | None, engine_on_device: bool = True) -> Plan:
     """The plan for `settings` on a device with (free, total) bytes; None: a CPU run.
+    `engine_on_device=False` (generator.device=cpu beside a GPU trainer): the engine takes none of it.
 
     Raises ConfigError when nothing fits, naming the key to change and a value that would fit.
     """
@@ -249,6 +250,14 @@ def plan_memory(settings: RunConfig, shape: Shape, seq_len: int,
                     notes=[f"the engine's KV cache is generator.cpu_kvcache_gib={g.cpu_kvcache_gib} GiB of host memory"])
 
     free, total = device_memory
+    if not engine_on_device:
+        _place(components, "none")
+        if s.trainer_peak() + TRAINER_CONTEXT_GIB * GIB + max(MARGIN_FRACTION * free, MARGIN_MIN_GIB * GIB) > free:
+            raise ConfigError(_refusal(settings, shape, seq_len, s, free - TRAINER_CONTEXT_GIB * GIB
+                                       - max(MARGIN_FRACTION * free, MARGIN_MIN_GIB * GIB), free, 0))
+        return Plan("none" if t.offload == "auto" else t.offload, 0.5 if g.gpu_memory_utilization == "auto"
+                    else float(g.gpu_memory_utilization), components, total_gib=total / GIB, free_gib=free / GIB,
+                    notes=["generator.device=cpu: the engine takes none of the GPU, the trainer stays on it"])
     margin = max(MARGIN_FRACTION * free, MARGIN_MIN_GIB * GIB)
     room = free - margin - TRAINER_CONTEXT_GIB * GIB  # what the trainer's tensors and the engine share
 
@@ -390,9 +399,12 @@ def plan_run(settings: RunConfig, model_dir: Path, device: str, task=None,
              memory: tuple[int, int] | None = None, show: bool = True) -> Plan:
     """Plans the run and writes the resolved choices into `settings` (trainer.offload,
     generator.gpu_memory_utilization); prints the table when `show`."""
+    from colo_rl.config import resolve_device
+
     shape = Shape.from_model_dir(model_dir)
     plan = plan_memory(settings, shape, sequence_length(settings, task),
-                       memory if memory is not None else device_memory(device))
+                       memory if memory is not None else device_memory(device),
+                       engine_on_device=resolve_device(settings.generator.device) != "cpu")
     settings.trainer.offload = plan.offload
     settings.generator.gpu_memory_utilization = plan.gpu_memory_utilization
     if show:

@@ -213,3 +213,11 @@ def test_the_summary_shows_predicted_beside_measured(tmp_path, capsys):
     # a CPU run logs neither: no memory table
     print_summary([{k: v for k, v in r.items() if not k.startswith("memory/")} for r in records], tmp_path)
     assert "predicted" not in capsys.readouterr().out
+
+
+def test_an_engine_on_the_cpu_leaves_the_gpu_to_the_trainer():
+    settings, shape = one_b("generator.gpu_memory_utilization=auto")
+    plan = plan_memory(settings, shape, 384, (60 * GIB, H200), engine_on_device=False)
+    assert plan.offload == "none" and "engine KV cache" not in plan.table()
+    with pytest.raises(ConfigError, match="trainer.optimizer=adamw_8bit"):
+        plan_memory(settings, shape, 384, (24 * GIB, H200), engine_on_device=False)
