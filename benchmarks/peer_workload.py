@@ -86,7 +86,11 @@ def run_arm(name: str, workload: list[str], overrides: list[str], run_dir: Path,
     med = {k: median(r[k] for r in steady if k in r) for k in KEYS if any(k in r for r in steady)}
     if "timing/generator_total_s" in med:
         med["switch_s"] = median(r["timing/generator_total_s"] - r["timing/generate_s"] for r in steady)
-    return {"name": name, "overrides": overrides, "exit_code": code, "wall_s": wall_s,
+    from colo_rl.metrics import predicted_vs_measured
+
+    # the start-up memory plan against the run (colo_rl.planner): [key, predicted GiB, measured GiB]
+    planned = [list(row) for row in predicted_vs_measured(records)]
+    return {"name": name, "overrides": overrides, "exit_code": code, "wall_s": wall_s, "planned_memory": planned,
             "engine_start_s": records[0].get("timing/server_start_s") if records else None,
             "peak_gpu_used_gib": max(used) / 1024 if used else None,
             "baseline_gpu_used_gib": used[0] / 1024 if used else None, "median_steps_2_on": med,
@@ -155,6 +159,9 @@ def main(argv=None) -> int:
               f"peak {arm['peak_gpu_used_gib']} GiB, weights {arm.get('weights')}", flush=True)
         for key, value in med.items():
             print(f"  {key:32s} {value:10.3f}", flush=True)
+        for key, predicted, measured in arm["planned_memory"]:
+            print(f"  {key:32s} predicted {predicted:.2f} GiB, measured {measured:.2f} GiB "
+                  f"({measured / predicted - 1:+.1%})", flush=True)
         if arm["exit_code"] != 0:
             print(arm["output_tail"], flush=True)
     return 0
