@@ -10,7 +10,9 @@ naming the key to change and the value that would fit.
 Calibration (benchmarks/RESULTS.md, H200, OLMo-2-1B shape, fp32 masters + AdamW, micro-batch 16 x
 384 tokens): the activation coefficients below are fitted to the two measured trainer peaks
 (45.8 GiB without gradient checkpointing, 29.2 GiB with), so on that shape they reproduce them; the
-engine's asleep residue is the measured 1.19 GiB. Other shapes, sequence lengths and optimizers are
+engine's asleep residue is the measured 1.19 GiB. Those runs held the whole b x T x vocab logits
+(trainer.logprob_chunk=0 today); with the default chunked head the logits term is one chunk's
+(CHUNK_LOGITS_COPIES, not yet measured on a GPU). Other shapes, sequence lengths and optimizers are
 extrapolated from these two points: expect the trainer's peak within about 15 %, the awake phase
 (vLLM's own budget plus the trainer's resident state) within about 5 %. The margin covers that.
 """
@@ -38,6 +40,9 @@ ACT_HIDDEN, ACT_INTERMEDIATE = 32, 4
 # The loss's fp32 logits and what is computed from them (log-softmax, their gradient) peak at this
 # many b x T x vocab fp32 tensors at once (fitted on the same two runs).
 LOGITS_COPIES = 1.25
+# trainer.logprob_chunk > 0: the head runs on `chunk` response positions at a time, recomputed in
+# backward: one chunk's logits and their gradient in fp32 at once (not measured on a GPU yet)
+CHUNK_LOGITS_COPIES = 2.0
 MARGIN_FRACTION, MARGIN_MIN_GIB = 0.05, 1.0  # kept free: 5 % of the free memory, at least 1 GiB
 OFFLOAD_CHOICES = ("none", "optimizer", "all")  # least offload first
 CPU_OFFLOAD = "all"  # on the CPU there is no GPU memory to plan: the path runs as before auto existed
@@ -205,7 +210,12 @@ def sizes(settings: RunConfig, shape: Shape, seq_len: int, *, cuda: bool, micro_
         layers = shape.layers * tokens * shape.hidden * act_b + per_layer
     else:
         layers = shape.layers * per_layer
-    logits = LOGITS_COPIES * tokens * shape.vocab * 4
+    if t.logprob_chunk:
+        responses = micro_batch * settings.sampling.max_tokens
+        logits = (CHUNK_LOGITS_COPIES * min(t.logprob_chunk, responses) * shape.vocab * 4
+                  + responses * shape.hidden * act_b)  # the gathered final states
+    else:
+        logits = LOGITS_COPIES * tokens * shape.vocab * 4
     return _Sizes(weights=weights, grads=trainable * train_b, optimizer=trainable * state_b,
                   reference=total * train_b if t.kl_coef > 0 and not lora else 0.0,
                   push_copy=push_copy,

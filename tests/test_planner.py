@@ -13,7 +13,7 @@ from .conftest import compose_config
 
 H200 = 143771 * 2**20  # torch.cuda.mem_get_info's total on the lent H200
 # benchmarks/peer_workload.py's workload: 128-token prompts + 256 new tokens, micro-batch 16
-PEER = ["model=olmo2_1b_shape", "trainer.prompts_per_step=32", "sampling.n=8", "sampling.max_tokens=256",
+PEER = ["model=olmo2_1b_shape", "trainer.logprob_chunk=0", "trainer.prompts_per_step=32", "sampling.n=8", "sampling.max_tokens=256",
         "trainer.micro_batch_size=16", "generator.max_model_len=512", "task.max_prompt_tokens=128"]
 
 
@@ -95,6 +95,10 @@ def test_bytes_per_component_for_fp32_masters_8bit_adam_and_lora():
     # logits: 16 x 384 tokens x 100352 vocab in fp32 are 2.3 GiB a copy; checkpointing keeps them
     assert mixed.activations > sizes(validate(compose_config(*PEER, "trainer.gradient_checkpointing=true")),
                                      shape, 384, cuda=True).activations > 1.25 * 16 * 384 * 100352 * 4
+    # the default chunked head (trainer.logprob_chunk=1024): one chunk's logits instead of all of them
+    chunked = sizes(validate(compose_config(*PEER, "trainer.logprob_chunk=1024")), shape, 384, cuda=True)
+    saved = 1.25 * 16 * 384 * 100352 * 4 - (2 * 1024 * 100352 * 4 + 16 * 256 * 2048 * 2)
+    assert mixed.activations - chunked.activations == pytest.approx(saved)
 
 
 @pytest.mark.parametrize("checkpointing, measured", [(False, 45.8), (True, 29.2)])
