@@ -232,7 +232,10 @@ def test_offload_restore_through_the_generator_is_bit_exact(fp32, sync_mode, awa
 @pytest.mark.parametrize("sync_mode", SYNC_MODES)
 def test_short_grpo_run_finishes_on_the_gpu(tmp_path, sync_mode):
     before = engine_processes()
-    train(compose_config(*small_run_overrides(tmp_path, f"generator.weight_sync={sync_mode}", "logger=none")))
+    # trainer.offload=all: this test checks the offload cycle, which the memory plan would skip
+    # for the tiny trainer (it fits beside the engine: see the test below)
+    train(compose_config(*small_run_overrides(tmp_path, f"generator.weight_sync={sync_mode}", "logger=none",
+                                              "trainer.offload=all")))
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["train/step"] for r in records] == [0, 1, 2]
     keys = ["timing/offload_s", "timing/wake_weights_s", "timing/weight_load_s", "timing/wake_kv_s",
@@ -250,4 +253,20 @@ def test_short_grpo_run_finishes_on_the_gpu(tmp_path, sync_mode):
     # that; step 0's restore has none (on the H200 its record lacked the key).
     assert [("offloader/restore_background_s" in r) for r in records] == [False, True, True]
     assert (tmp_path / "checkpoint" / "manifest.json").exists()
+    assert engine_processes() == before
+
+
+def test_the_default_plan_keeps_a_small_trainer_on_the_gpu_and_predicts_free_memory(tmp_path):
+    """trainer.offload=auto (colo_rl.planner): the tiny trainer fits beside the engine, so nothing is
+    offloaded; the plan's predicted free memory with the engine awake is near the measured one."""
+    before = engine_processes()
+    train(compose_config(*small_run_overrides(tmp_path, "logger=none")))
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["train/step"] for r in records] == [0, 1, 2]
+    assert not any("offloader/restore_background_s" in r for r in records)  # nothing left the GPU
+    first = records[0]
+    assert first["memory/trainer_peak_predicted_gib"] > 0
+    total_gib = torch.cuda.mem_get_info()[1] / 2**30
+    measured = min(r["memory/free_after_wake_kv_gib"] for r in records)
+    assert abs(measured - first["memory/free_after_wake_kv_predicted_gib"]) < 0.05 * total_gib
     assert engine_processes() == before
