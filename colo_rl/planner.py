@@ -69,6 +69,9 @@ class Shape:
     def from_hf_config(cls, config) -> "Shape":
         """From a transformers PretrainedConfig (or its text_config for multimodal ones)."""
         config = getattr(config, "text_config", None) or config
+        experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+        if experts:
+            raise ValueError(f"{config.model_type} is a mixture of experts ({experts}): only dense decoders are planned")
         heads = config.num_attention_heads
         hidden = config.hidden_size
         attention_bias = bool(getattr(config, "attention_bias", False))
@@ -82,10 +85,10 @@ class Shape:
                    mlp_bias=bool(getattr(config, "mlp_bias", False)))
 
     @classmethod
-    def from_model_dir(cls, model_dir: str | Path) -> "Shape":
+    def from_model_dir(cls, model_dir: str | Path, trust_remote_code: bool = False) -> "Shape":
         from transformers import AutoConfig
 
-        return cls.from_hf_config(AutoConfig.from_pretrained(model_dir))
+        return cls.from_hf_config(AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code))
 
     def linears(self) -> dict[str, tuple[int, int]]:
         """(in, out) features of each linear layer of one decoder layer, by module name."""
@@ -411,7 +414,16 @@ def plan_run(settings: RunConfig, model_dir: Path, device: str, task=None,
     generator.gpu_memory_utilization); prints the table when `show`."""
     from colo_rl.config import resolve_device
 
-    shape = Shape.from_model_dir(model_dir)
+    try:
+        shape = Shape.from_model_dir(model_dir, trust_remote_code=settings.model.trust_remote_code)
+    except (AttributeError, TypeError, ValueError) as exc:
+        # not a dense decoder this planner knows (its config lacks a field): plan nothing, as before auto
+        t, g = settings.trainer, settings.generator
+        t.offload = "all" if t.offload == "auto" else t.offload
+        g.gpu_memory_utilization = 0.5 if g.gpu_memory_utilization == "auto" else g.gpu_memory_utilization
+        log.warning("no memory plan for %s (%s): trainer.offload=%s, generator.gpu_memory_utilization=%s",
+                    model_dir, exc, t.offload, g.gpu_memory_utilization)
+        return Plan(t.offload, float(g.gpu_memory_utilization), [])
     plan = plan_memory(settings, shape, sequence_length(settings, task),
                        memory if memory is not None else device_memory(device),
                        engine_on_device=resolve_device(settings.generator.device) != "cpu")

@@ -225,3 +225,18 @@ def test_an_engine_on_the_cpu_leaves_the_gpu_to_the_trainer():
     assert plan.offload == "none" and "engine KV cache" not in plan.table()
     with pytest.raises(ConfigError, match="trainer.optimizer=adamw_8bit"):
         plan_memory(settings, shape, 384, (24 * GIB, H200), engine_on_device=False)
+
+
+def test_a_model_the_planner_cannot_read_runs_unplanned_as_before(tmp_path, caplog):
+    import json
+
+    from colo_rl.models import prepare_model_dir
+    from colo_rl.planner import plan_run
+
+    settings = validate(compose_config("generator.gpu_memory_utilization=auto"))
+    model_dir = prepare_model_dir(settings.model, tmp_path)
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "model_type": "mixtral", "num_local_experts": 8}))
+    plan = plan_run(settings, model_dir, "cuda:0", memory=(24 * GIB, H200))
+    assert (plan.offload, settings.trainer.offload, settings.generator.gpu_memory_utilization) == ("all", "all", 0.5)
+    assert "no memory plan" in caplog.text and plan.metrics() == {}
