@@ -282,6 +282,16 @@ def plan_memory(settings: RunConfig, shape: Shape, seq_len: int,
     engine_min = engine_fixed + g.max_model_len * s.kv_per_token  # one full sequence
     sequences = min(g.max_num_seqs, settings.sampling.n * t.prompts_per_step)
     engine_want = engine_fixed + sequences * g.max_model_len * s.kv_per_token
+    # vLLM takes its whole budget when it starts, beside the trainer's freshly built weights (no
+    # optimizer state yet, nothing offloaded), and refuses to start when less is free
+    start_room = free - s.weights - s.reference - TRAINER_CONTEXT_GIB * GIB - MARGIN_MIN_GIB * GIB
+    if g.gpu_memory_utilization != "auto" and g.gpu_memory_utilization * total > start_room:
+        raise ConfigError(
+            f"generator.gpu_memory_utilization={g.gpu_memory_utilization} asks vLLM for "
+            f"{g.gpu_memory_utilization * total / GIB:.1f} GiB when it starts, but {free / GIB:.1f} GiB are free and "
+            f"the trainer's weights take {(s.weights + s.reference) / GIB:.1f} GiB then: use "
+            f"generator.gpu_memory_utilization={max(0.001, int(start_room / total * 1000) / 1000)} or auto")
+    engine_want = min(engine_want, start_room)
     choices = OFFLOAD_CHOICES if t.offload == "auto" else (t.offload,)
     chosen = budget = None
     for offload in choices:
@@ -303,8 +313,8 @@ def plan_memory(settings: RunConfig, shape: Shape, seq_len: int,
         # no offload leaves room for every sequence's KV cache at once: offload the most, give the
         # engine the rest (vLLM queues what does not fit)
         last = choices[-1]
-        if s.awake_resident(last) + engine_min <= room:
-            chosen, budget = last, room - s.awake_resident(last)
+        if s.awake_resident(last) + engine_min <= room and engine_min <= start_room:
+            chosen, budget = last, min(room - s.awake_resident(last), start_room)
     if chosen is None:
         most = choices[-1]
         fits = (room - s.awake_resident(most)) / total
