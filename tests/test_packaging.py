@@ -3,6 +3,7 @@ editable) into a fresh virtual environment, run from a directory outside the rep
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -49,7 +50,10 @@ def test_the_wheel_holds_every_module_the_configs_and_py_typed(wheel):
     assert not expected - names, sorted(expected - names)
 
 
-def test_the_installed_wheel_composes_experiments_from_outside_the_repository(wheel, tmp_path):
+@pytest.fixture(scope="module")
+def installed(wheel, tmp_path_factory) -> Path:
+    """The python of a fresh venv with the wheel installed (not editable)."""
+    tmp_path = tmp_path_factory.mktemp("installed")
     venv = tmp_path / "venv"
     created = _run(sys.executable, "-m", "venv", "--without-pip", venv, cwd=tmp_path)
     assert created.returncode == 0, created.stderr
@@ -65,6 +69,11 @@ def test_the_installed_wheel_composes_experiments_from_outside_the_repository(wh
 
     where = _run(python, "-c", "import colo_rl; print(colo_rl.__file__)", cwd=tmp_path)
     assert where.stdout.strip() == str(site_packages / "colo_rl" / "__init__.py"), where
+    return python
+
+
+def test_the_installed_wheel_composes_experiments_from_outside_the_repository(installed, tmp_path):
+    python = installed
 
     # a user's own config directory beside the shipped ones
     mine = tmp_path / "my_conf" / "experiment"
@@ -77,3 +86,15 @@ def test_the_installed_wheel_composes_experiments_from_outside_the_repository(wh
                "--cfg", "job", cwd=tmp_path)
     assert own.returncode == 0, own.stderr[-3000:]
     assert "steps: 7" in own.stdout
+
+
+@pytest.mark.slow
+def test_the_installed_wheel_runs_an_experiment_from_outside_the_repository(installed, tmp_path):
+    """`cd /tmp && python -m colo_rl.run experiment=tiny_smoke`: a whole run (its own engine, whose
+    worker imports the installed package too) with nothing of the source tree on the path."""
+    ran = _run(installed, "-m", "colo_rl.run", "experiment=tiny_smoke", "output_dir=run",
+               "logger.progress=false", cwd=tmp_path, timeout=900)
+    assert ran.returncode == 0, (ran.stdout + ran.stderr)[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["train/step"] for r in records if "reward/mean" in r] == [0, 1, 2]
+    assert (tmp_path / "run" / "checkpoint" / "manifest.json").exists()
