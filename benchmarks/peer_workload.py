@@ -109,7 +109,7 @@ def changed_fraction(run_dir: Path, workload: list[str], overrides: list[str]) -
 
     from hydra import compose, initialize_config_dir
 
-    from colo_rl.config import register_configs, trainer_dtype, validate
+    from colo_rl.config import register_configs, resolve_device, trainer_dtype, validate
     from colo_rl.lora import hf_parameters, load_trainer_policy, merged_weight
     from colo_rl.trainer import GRPOTrainer, load_checkpoint
 
@@ -117,7 +117,9 @@ def changed_fraction(run_dir: Path, workload: list[str], overrides: list[str]) -
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
         cfg = validate(compose("run", overrides=[*workload, *overrides, f"output_dir={run_dir}"]))
     dtype = trainer_dtype(cfg)
-    policy = load_trainer_policy(cfg, run_dir / "embedded_model", "cpu")
+    # the init on the device the run built it on (a GPU's seeded init differs from the CPU's)
+    init_device = resolve_device(cfg.trainer.device)
+    policy = load_trainer_policy(cfg, run_dir / "embedded_model", init_device).to("cpu")
 
     def weights() -> dict:  # the trainer's parameters; under LoRA the merged weights the engine gets
         return {name: merged_weight(p, layer, p.dtype) if layer is not None else p.detach().clone()

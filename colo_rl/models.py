@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import string
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -141,7 +142,14 @@ def load_policy(cfg: ModelConfig, model_dir: Path, device: str, dtype: str | Non
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(model_dir)
-        with torch.random.fork_rng(devices=[]):
+        # Initialised where it will live: on a GPU the init runs there, not on the CPU first (the
+        # 7B shape's CPU init took ~280 s). Seeded either way: the same init_seed gives the same
+        # weights on the same kind of device, but a GPU's numbers are not the CPU's (another
+        # random generator); on the CPU they are what they always were.
+        target = torch.device(device)
+        on_cuda = target.type == "cuda"
+        rng_devices = [target.index if target.index is not None else torch.cuda.current_device()] if on_cuda else []
+        with torch.random.fork_rng(devices=rng_devices), (target if on_cuda else nullcontext()):
             torch.manual_seed(cfg.embedded.init_seed)
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     else:

@@ -42,7 +42,7 @@ from colo_rl.tasks import Batch, Task
 from colo_rl.timing import SetupStages, StepTimer, engine_log_status, host_metrics
 from colo_rl.trainer import (CheckpointError, GRPOTrainer, Offloader, TrainingDiverged, load_checkpoint,
                              save_checkpoint)
-from colo_rl.trainer.checkpoint import check_compatible
+from colo_rl.trainer.checkpoint import check_compatible, read_manifest
 from colo_rl.trainer.flops import peak_tflops, perf_metrics
 from colo_rl.trainer.grpo import group_advantages
 
@@ -187,27 +187,12 @@ def _train(cfg: DictConfig, settings: RunConfig, generator: VLLMGenerator | None
     # The memory plan: trainer.offload and generator.gpu_memory_utilization `auto` become values
     # here, and a config whose trainer or engine cannot fit is refused, before anything is built.
     plan = plan_run(settings, model_dir, device, task, show=par.is_main)
-    torch.manual_seed(t.seed)
-    policy = load_trainer_policy(settings, model_dir, device)
-    mixed = trainer_precision(settings) == "mixed"
-    trainer = GRPOTrainer(policy, t, pad_token_id=tokenizer.pad_token_id,
-                          temperature=s.temperature, max_tokens=s.max_tokens, device=device,
-                          parallel=par, autocast_dtype=DTYPES[settings.model.dtype] if mixed else None)
-    offloader = Offloader(policy, trainer.optimizer, t.offload, overlap_restore=t.overlap_restore,
-                          restore_while_awake=t.restore_while_awake)
-    stages.mark("policy", f"policy of {sum(p.numel() for p in policy.parameters()) / 1e6:.2f} M parameters "
-                          f"on {device} in {str(next(policy.parameters()).dtype).removeprefix('torch.')}, "
-                          f"{t.optimizer} optimizer")
-    start_step = 0
-    if t.resume:
-        extra = load_checkpoint(t.resume, trainer)  # its config was compared above
-        task.sampler.load_state(extra["sampler"])
-        start_step = extra["step"]
-        if start_step >= t.steps:
-            raise ConfigError(f"trainer.resume={t.resume} holds a run that already did {start_step} "
+    if t.resume:  # the step count too: a checkpoint with no steps left to do stops here
+        done_steps = read_manifest(t.resume).get("step", 0)
+        if done_steps >= t.steps:
+            raise ConfigError(f"trainer.resume={t.resume} holds a run that already did {done_steps} "
                               f"steps, so trainer.steps={t.steps} leaves none to do: raise trainer.steps "
-                              f"above {start_step}")
-        stages.mark("resume", f"resumed from {t.resume} after {start_step} steps")
+                              f"above {done_steps}")
     if s.n == 1:
         log.warning("sampling.n=1: every GRPO advantage is zero, so this run measures generation "
                     "and switching only; use sampling=default to learn")
@@ -221,18 +206,61 @@ def _train(cfg: DictConfig, settings: RunConfig, generator: VLLMGenerator | None
     checkpoint_dir = output_dir / "checkpoint"
     guard = InterruptGuard()
     guard.kill_engine = _engine_killer(generator if owns_generator else None)
+    # The engine starts first, in the background, and the trainer is built while vLLM loads and
+    # compiles; they meet at the engine's weight mapping check and then the first weight push.
+    # On CUDA the trainer allocates no GPU memory until the engine has started and gone to
+    # sleep: vLLM sizes its KV cache (generator.gpu_memory_utilization) from the free memory it
+    # profiles while it starts, and trainer allocations inside that window would shrink it or
+    # fail its profiling check. There the window reads a pretrained policy into host memory, and
+    # the policy moves (random init: is built) on the GPU once the engine is asleep. On CPU the
+    # whole trainer is built in the window.
+    on_cuda = device.startswith("cuda")
+    early_device = "cpu" if on_cuda else device
+    policy = trainer = offloader = None
+    start_step = 0
     with guard.installed():
         try:
+            if not (generator.process and generator.process.alive()):
+                generator.begin_start()
+                stages.mark("engine_spawn", f"engine starting in the background (vLLM in its own "
+                                            f"process; log: {generator.log_path})")
+            if not on_cuda or settings.model.source != "embedded":
+                torch.manual_seed(t.seed)
+                policy = load_trainer_policy(settings, model_dir, early_device)
+                if on_cuda:
+                    stages.mark("policy_read", f"policy read into host memory, to move onto {device} "
+                                               "once the engine is asleep")
+            if not on_cuda:
+                trainer, offloader, start_step = _build_trainer(settings, policy, device, par, tokenizer,
+                                                                task, stages)
             # A bad engine setting (path, memory) fails here with vLLM's own message, before step 0
-            # moves any trainer state; start() leaves no worker process behind when it fails.
-            if not generator.process or not generator.process.alive():
-                log.info("set-up: engine starting (vLLM in its own process; log: %s)", generator.log_path)
+            # moves any trainer state; the worker's group is gone when it fails.
+            waited = time.perf_counter()
+            if generator.starting:
+                with engine_log_status("engine starting", generator.log_path):
+                    generator.wait_started()
+                stages.mark("engine", f"engine ready (waited {time.perf_counter() - waited:.1f} s; "
+                                      f"{time.perf_counter() - generator.start_began:.1f} s since it "
+                                      "was spawned)")
+            if on_cuda:
+                if policy is None:  # random init, directly on the GPU (load_policy)
+                    torch.manual_seed(t.seed)
+                    policy = load_trainer_policy(settings, model_dir, device)
+                trainer, offloader, start_step = _build_trainer(settings, policy.to(device), device, par,
+                                                                tokenizer, task, stages)
             with engine_log_status("engine starting", generator.log_path):
-                generator.ensure_started(trainer.model)
-            stages.mark("engine", "engine ready")
+                generator.ensure_started(trainer.model)  # the weight mapping; a full start if none ran
+            if not stages.metrics.get("setup/engine_s"):
+                stages.mark("engine", "engine ready")
         except KeyboardInterrupt as exc:
-            log.error("%s during the engine's start: it was stopped, no step ran", exc)
+            if owns_generator:
+                generator.abandon_start()
+            log.error("%s during set-up: the engine was stopped, no step ran", exc)
             raise SystemExit(128 + getattr(exc, "signum", signal.SIGINT)) from None
+        except BaseException:
+            if owns_generator:
+                generator.abandon_start()  # the error itself is what the user needs to see
+            raise
         logger = MetricsLogger(settings.logger, output_dir=output_dir,
                                config=OmegaConf.to_container(cfg, resolve=True), group=group,
                                name=name, total_steps=t.steps, initial_step=start_step,
@@ -254,6 +282,29 @@ def _train(cfg: DictConfig, settings: RunConfig, generator: VLLMGenerator | None
     return RunResult(output_dir, logger.records,
                      mean(r["reward/mean"] for r in tail) if tail else float("nan"),
                      logger.final_summary, logger.final_config)
+
+
+def _build_trainer(settings: RunConfig, policy: torch.nn.Module, device: str, par: Parallel, tokenizer,
+                   task: Task, stages: SetupStages) -> tuple[GRPOTrainer, Offloader, int]:
+    """The trainer around `policy` (already on `device`): optimizer, reference model, offloader,
+    and the resumed checkpoint's state; returns them with the step to start from."""
+    t, s = settings.trainer, settings.sampling
+    mixed = trainer_precision(settings) == "mixed"
+    trainer = GRPOTrainer(policy, t, pad_token_id=tokenizer.pad_token_id,
+                          temperature=s.temperature, max_tokens=s.max_tokens, device=device,
+                          parallel=par, autocast_dtype=DTYPES[settings.model.dtype] if mixed else None)
+    offloader = Offloader(policy, trainer.optimizer, t.offload, overlap_restore=t.overlap_restore,
+                          restore_while_awake=t.restore_while_awake)
+    stages.mark("policy", f"policy of {sum(p.numel() for p in policy.parameters()) / 1e6:.2f} M parameters "
+                          f"on {device} in {str(next(policy.parameters()).dtype).removeprefix('torch.')}, "
+                          f"{t.optimizer} optimizer")
+    start_step = 0
+    if t.resume:
+        extra = load_checkpoint(t.resume, trainer)  # its config and step count were checked before
+        task.sampler.load_state(extra["sampler"])
+        start_step = extra["step"]
+        stages.mark("resume", f"resumed from {t.resume} after {start_step} steps")
+    return trainer, offloader, start_step
 
 
 def _loop(settings: RunConfig, task: Task, trainer: GRPOTrainer, offloader: Offloader,

@@ -29,7 +29,7 @@ from colo_rl.generator.worker import FAULT_ENV
 from colo_rl.run import train
 from colo_rl.rundir import RunDirInUse, RunDirLock
 from colo_rl.trainer import Offloader
-from colo_rl.trainer.checkpoint import read_manifest
+from colo_rl.trainer.checkpoint import CheckpointError, read_manifest
 
 from .conftest import ROOT, compose_config, engine_processes, leftovers, shared, small_run_overrides
 from .generator.test_generator import GREEDY, PROMPTS, hf_greedy
@@ -347,7 +347,7 @@ def test_sigterm_during_the_engines_start_stops_it_and_a_concurrent_run_is_refus
     assert loser.returncode not in (0, 143) and _workers(loser.pid) == []
     assert f"output_dir={tmp_path} is in use by another colo_rl run" in out_loser, out_loser[-3000:]
     assert winner.returncode == 143, out[-3000:]
-    assert "SIGTERM during the engine's start: it was stopped, no step ran" in out
+    assert "SIGTERM during set-up: the engine was stopped, no step ran" in out
     assert "Traceback" not in out
     assert "engine up in" not in out  # the signal came while the engine was starting
     for p in runs:
@@ -428,3 +428,43 @@ def test_a_full_disk_at_the_final_checkpoint_is_named_and_the_previous_one_survi
     assert not list(tmp_path.glob(".checkpoint.partial-*"))  # no partial checkpoint left
     assert [r["train/step"] for r in read_metrics(tmp_path) if "timing/step_s" in r] == [0, 1, 2]
     assert no_leftovers(proc.pid)
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_the_trainer_is_built_beside_the_starting_engine_leaves_nothing(tmp_path):
+    """The engine starts first, in the background; a Ctrl-C while the trainer is being built (or
+    while it waits for the engine) stops the engine's process group and exits 130: no engine
+    process, no control-socket directory, no checkpoint, no step."""
+    proc = _cli("trainer.steps=2", *CLI_RUN, f"output_dir={tmp_path}")
+    try:
+        seen = _read_until(proc, "set-up: engine starting in the background")
+        assert _workers(proc.pid), "the engine is not running beside the set-up"
+        proc.send_signal(signal.SIGINT)
+        rest, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    out = seen + rest
+    assert proc.returncode == 130, out[-3000:]
+    assert "SIGINT during set-up: the engine was stopped, no step ran" in out
+    assert "Traceback" not in out and "engine up in" not in out
+    assert not (tmp_path / "checkpoint").exists() and not (tmp_path / "metrics.jsonl").exists()
+    assert no_leftovers(proc.pid)
+
+
+@pytest.mark.slow
+def test_a_failure_while_the_trainer_is_built_stops_the_engine_started_beside_it(tmp_path, engine):
+    """A checkpoint whose tensors were damaged fails its SHA-256 check while the trainer is built,
+    after the engine was spawned: the error propagates and the engine's group is gone."""
+    train(compose_config(*small_run_overrides(tmp_path / "first", "logger=none", "trainer.steps=1")), engine)
+    checkpoint = tmp_path / "first" / "checkpoint"
+    damaged = next(p for p in sorted(checkpoint.iterdir()) if p.suffix == ".safetensors")
+    data = bytearray(damaged.read_bytes())
+    data[-1] ^= 0xFF
+    damaged.write_bytes(bytes(data))
+    before = engine_processes()
+    with pytest.raises(CheckpointError):
+        train(compose_config(*small_run_overrides(tmp_path / "again", "logger=none", "trainer.steps=2",
+                                                  f"trainer.resume={checkpoint}")))
+    assert (tmp_path / "again" / "engine.log").exists()  # the engine had been started
+    assert engine_processes() == before
+    assert leftovers(os.getpid(), keep=shared(engine)) == ([], [])

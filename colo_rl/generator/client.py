@@ -169,8 +169,10 @@ class EngineProcess:
 
     def request(self, op: str, timeout: float, **args):
         """Send a request and wait for its reply; replies to earlier requests are discarded."""
-        request_id = self.send(op, **args)
-        deadline = time.monotonic() + timeout
+        return self.reply(self.send(op, **args), op, time.monotonic() + timeout, timeout)
+
+    def reply(self, request_id: int, op: str, deadline: float, timeout: float):
+        """Wait until `deadline` (time.monotonic) for the reply to an earlier `send`."""
         while True:
             if self.conn.poll(0.1):
                 try:
@@ -339,6 +341,9 @@ class VLLMGenerator:
         self.weight_sync: str | None = None
         self.pushes = 0
         self._unreported_start_s: float | None = None
+        self._start_request: tuple[int, float] | None = None  # begin_start's request, sent at
+        self._start_info: dict = {}
+        self.start_began = 0.0
 
     @property
     def in_process(self) -> bool:
@@ -380,33 +385,82 @@ class VLLMGenerator:
         return kwargs
 
     def ensure_started(self, model: torch.nn.Module) -> None:
-        """Start the engine for `model` now, unless it runs: the runner calls this during set-up
-        so that a bad engine setting fails before the first step touches the trainer. The
-        start's seconds are reported with the next step's metrics."""
-        if self.process is not None and self.process.alive():
+        """Start the engine for `model` now, unless it runs (or finish the start `begin_start`
+        began): the runner calls this during set-up so that a bad engine setting fails before
+        the first step touches the trainer. The start's seconds are reported with the next
+        step's metrics."""
+        if self.process is not None and self.process.alive() and self._start_request is None:
             return
-        start = time.perf_counter()
         self.start(self._hf_specs(model))
-        self._unreported_start_s = time.perf_counter() - start
 
-    def start(self, hf_specs: list[list]) -> dict:
-        """Start the worker and its engine (asleep on GPU) and check the weight mapping. On any
-        failure the worker's process group is gone before the error propagates."""
+    @property
+    def starting(self) -> bool:
+        """A start `begin_start` began and nobody has waited for yet."""
+        return self._start_request is not None
+
+    def begin_start(self) -> None:
+        """Spawn the worker and ask it to start its engine, without waiting: vLLM loads, compiles
+        and (on GPU) profiles memory, captures graphs and goes to sleep while the caller builds
+        the trainer. `wait_started` (or `ensure_started`/`start`) then waits for it. A no-op when
+        an engine runs or is starting. On any failure, or an interruption, the worker's process
+        group is gone before the error propagates; `abandon_start` ends a start the caller gives up."""
+        if self._start_request is not None or (self.process is not None and self.process.alive()):
+            return
         if self.process is not None:
             self.process.close()
+        self.start_began = time.perf_counter()
         self.process = EngineProcess(engine_python(self.cfg), self.log_path, self._env())
         try:
-            return self._start(hf_specs)
+            self.process.spawn(connect_timeout=self.cfg.start_timeout_s)
+            sent = time.monotonic()
+            self._start_request = (self.process.send("start", engine_kwargs=self.engine_kwargs(),
+                                                     sleep_level=self.cfg.sleep_level), sent)
         except BaseException as exc:
-            process, self.process = self.process, None
-            # interrupted: the worker is busy starting and would answer `shutdown` only after that
-            process.close(polite=isinstance(exc, Exception))
+            self.abandon_start(polite=isinstance(exc, Exception))
             raise
 
+    def wait_started(self) -> dict:
+        """Wait for the start `begin_start` began (generator.start_timeout_s from its request):
+        the engine is then up, and asleep on a GPU, so the trainer may allocate GPU memory."""
+        if self._start_request is None:
+            return self._start_info
+        request_id, sent = self._start_request
+        timeout = self.cfg.start_timeout_s
+        try:
+            self._start_info = self.process.reply(request_id, "start", sent + timeout, timeout)
+        except BaseException as exc:
+            self.abandon_start(polite=isinstance(exc, Exception))
+            raise
+        self._start_request = None
+        return self._start_info
+
+    def abandon_start(self, polite: bool = False) -> None:
+        """Stop the worker (its whole process group) and remove its socket directory. Not
+        `polite` (the default): a worker busy starting would answer `shutdown` only after that."""
+        process, self.process, self._start_request = self.process, None, None
+        if process is not None:
+            process.close(polite=polite)
+
+    def start(self, hf_specs: list[list]) -> dict:
+        """Start the worker and its engine (asleep on GPU), or finish the start `begin_start`
+        began, and check the weight mapping. On any failure the worker's process group is gone
+        before the error propagates."""
+        if self._start_request is None:
+            if self.process is not None:
+                process, self.process = self.process, None
+                process.close()
+            self.begin_start()
+        self.wait_started()
+        try:
+            info = self._start(hf_specs)
+        except BaseException as exc:
+            self.abandon_start(polite=isinstance(exc, Exception))
+            raise
+        self._unreported_start_s = time.perf_counter() - self.start_began
+        return info
+
     def _start(self, hf_specs: list[list]) -> dict:
-        self.process.spawn(connect_timeout=self.cfg.start_timeout_s)
-        info = self.process.request("start", timeout=self.cfg.start_timeout_s,
-                                    engine_kwargs=self.engine_kwargs(), sleep_level=self.cfg.sleep_level)
+        info = self._start_info
         plan = self.process.request("plan", timeout=self.cfg.request_timeout_s, hf_specs=hf_specs)
         if plan["unmapped"] or plan["uncovered"]:
             raise GeneratorError(
@@ -524,6 +578,7 @@ class VLLMGenerator:
         if self.process is None or not self.process.alive():  # first step, or restart_on_failure
             with timer.phase("server_start"):
                 self.start(self._hf_specs(model))
+            self._unreported_start_s = None  # in this step's server_start phase already
             timer.memory("server_start")
         elif self._unreported_start_s is not None:  # started by ensure_started() during set-up
             m["timing/server_start_s"] = self._unreported_start_s
