@@ -139,6 +139,11 @@ class GeneratorConfig:
     # ran 1.23x faster, benchmarks/RESULTS.md). null: false on a GPU, true on CPU.
     in_process: Optional[bool] = None
     engine_kwargs: dict[str, Any] = field(default_factory=dict)  # passed through to vllm.LLM
+    # vLLM's cache root (VLLM_CACHE_ROOT of the engine): its torch.compile artifacts and the
+    # embedded model's files the engine reads, shared by every run and multirun job of the same
+    # shape, so that only the first compiles. null: vLLM's own default, $VLLM_CACHE_ROOT or
+    # ~/.cache/vllm; a path (e.g. on a file system every sweep job sees) instead.
+    cache_dir: Optional[str] = None
 
     def __post_init__(self) -> None:
         _one_of("generator.device", self.device, ("auto", "cuda", "cpu"))

@@ -32,6 +32,7 @@ from colo_rl.config import (ConfigError, RunConfig, SamplingConfig, package_dir,
                             resolve_device, trainer_precision, validate)
 from colo_rl.export import export_checkpoint
 from colo_rl.generator import GeneratorError, Rollouts, VLLMGenerator
+from colo_rl.generator.client import shared_model_dir, vllm_cache_root
 from colo_rl.lora import load_trainer_policy
 from colo_rl.metrics import SWITCH_PHASES, MetricsLogger, print_summary
 from colo_rl.models import DTYPES, load_tokenizer, prepare_model_dir
@@ -197,8 +198,15 @@ def _train(cfg: DictConfig, settings: RunConfig, generator: VLLMGenerator | None
         log.warning("sampling.n=1: every GRPO advantage is zero, so this run measures generation "
                     "and switching only; use sampling=default to learn")
     owns_generator = generator is None
+    engine_model_dir = model_dir
+    if owns_generator and settings.model.source == "embedded":  # one path per shape: see shared_model_dir
+        try:
+            engine_model_dir = shared_model_dir(model_dir, vllm_cache_root(settings.generator))
+        except OSError as exc:
+            log.warning("the engine reads the model files from %s, so vLLM's compile cache is not "
+                        "shared with other runs of this shape (%s; see generator.cache_dir)", model_dir, exc)
     generator = generator or VLLMGenerator(
-        settings.generator, model_dir=model_dir, dtype=settings.model.dtype, log_dir=output_dir,
+        settings.generator, model_dir=engine_model_dir, dtype=settings.model.dtype, log_dir=output_dir,
         seed=t.seed, trust_remote_code=settings.model.trust_remote_code,
         tokenizer=settings.model.tokenizer,
         log_name=f"engine_rank{par.rank}.log" if par.enabled else "engine.log",

@@ -8,6 +8,7 @@ sleep -> restore trainer.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -257,6 +258,42 @@ class EngineProcess:
             shutil.rmtree(self.socket_dir, ignore_errors=True)
 
 
+def vllm_cache_root(cfg: GeneratorConfig) -> Path:
+    """The engine's VLLM_CACHE_ROOT: generator.cache_dir, else vLLM's own default."""
+    if cfg.cache_dir:
+        return Path(os.path.abspath(os.path.expanduser(cfg.cache_dir)))
+    default = os.path.join(os.getenv("XDG_CACHE_HOME", os.path.join(os.path.expanduser("~"), ".cache")), "vllm")
+    return Path(os.path.expanduser(os.getenv("VLLM_CACHE_ROOT", default)))
+
+
+def shared_model_dir(model_dir: Path, cache_root: Path) -> Path:
+    """A copy of `model_dir`'s files (config and tokenizer: no weights) under `cache_root`, named
+    by their contents, for the engine to load. vLLM's compile cache is keyed by a hash of its
+    config that includes the model's path: the embedded model written into each run's own
+    directory would make every run compile afresh, the same files at one path do not. Written
+    whole, then renamed into place, so that concurrent multirun jobs share it safely."""
+    files = sorted(p for p in Path(model_dir).iterdir() if p.is_file())
+    digest = hashlib.sha256()
+    for path in files:
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    target = cache_root / "colo_rl_models" / digest.hexdigest()[:20]
+    if target.is_dir():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        for path in files:
+            shutil.copy2(path, staging / path.name)
+        try:
+            os.rename(staging, target)
+        except OSError:  # another job put the same files there first
+            if not target.is_dir():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
 def remove_stale_socket_dirs() -> list[str]:
     """Remove the control-socket directories (authkey inside) of colo_rl runs whose trainer is
     dead: one killed before it could clean up. Directories of live runs are left alone."""
@@ -343,6 +380,7 @@ class VLLMGenerator:
         self._unreported_start_s: float | None = None
         self._start_request: tuple[int, float] | None = None  # begin_start's request, sent at
         self._start_info: dict = {}
+        self._unchecked = False  # an engine begin_start started whose weight mapping start() has not checked
         self.start_began = 0.0
 
     @property
@@ -361,6 +399,8 @@ class VLLMGenerator:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.cfg.cpu_kvcache_gib))
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
+        if self.cfg.cache_dir:
+            env["VLLM_CACHE_ROOT"] = os.path.abspath(os.path.expanduser(self.cfg.cache_dir))
         if self.in_process:
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         if self.cfg.device == "cpu":
@@ -389,7 +429,7 @@ class VLLMGenerator:
         began): the runner calls this during set-up so that a bad engine setting fails before
         the first step touches the trainer. The start's seconds are reported with the next
         step's metrics."""
-        if self.process is not None and self.process.alive() and self._start_request is None:
+        if self.process is not None and self.process.alive() and not self._unchecked:
             return
         self.start(self._hf_specs(model))
 
@@ -409,6 +449,7 @@ class VLLMGenerator:
         if self.process is not None:
             self.process.close()
         self.start_began = time.perf_counter()
+        self._unchecked = True
         self.process = EngineProcess(engine_python(self.cfg), self.log_path, self._env())
         try:
             self.process.spawn(connect_timeout=self.cfg.start_timeout_s)
@@ -456,6 +497,7 @@ class VLLMGenerator:
         except BaseException as exc:
             self.abandon_start(polite=isinstance(exc, Exception))
             raise
+        self._unchecked = False
         self._unreported_start_s = time.perf_counter() - self.start_began
         return info
 

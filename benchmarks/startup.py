@@ -1,0 +1,78 @@
+"""Time to first step: a real `python -m colo_rl.run` (given overrides), N times in a row, each in
+its own process and output directory: the first is the cold start, the later ones warm (the OS
+file cache, and on a GPU vLLM's compile and CUDA-graph caches under VLLM_CACHE_ROOT, default
+~/.cache/vllm). Per run it prints each set-up stage's seconds (`setup/<stage>_s` of the first
+step's record in metrics.jsonl), `setup/total_s` (the run's start to its first step, imports not
+included), the engine's own start (`timing/server_start_s`), the wall-clock seconds from the
+command to the first step's record and to the process's exit, as JSON.
+
+    python benchmarks/startup.py --runs 2                                   # CPU: the README's demo
+    python benchmarks/startup.py --runs 2 --peer --out $OUT/startup.json    # H200: the 1B peer workload (6 steps)
+    python benchmarks/startup.py --runs 2 --peer --model olmo2_7b_shape    # H200: the 7B shape
+    python benchmarks/startup.py --runs 2 -- trainer.steps=3 model=...      # any overrides after --
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+
+def one_run(overrides: list[str], output_dir: Path) -> dict:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    metrics = output_dir / "metrics.jsonl"
+    start = time.perf_counter()
+    first_record_s = None
+    with open(output_dir.parent / f"{output_dir.name}.log", "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "colo_rl.run", *overrides, f"output_dir={output_dir}"],
+                                cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        while proc.poll() is None:
+            if first_record_s is None and metrics.exists() and metrics.stat().st_size > 0:
+                first_record_s = time.perf_counter() - start
+            time.sleep(0.05)
+    wall = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise SystemExit(f"the run exited with {proc.returncode}; its output: {log.name}")
+    first = json.loads(metrics.read_text().splitlines()[0])
+    return {"setup": {k.removeprefix("setup/"): round(v, 2) for k, v in first.items() if k.startswith("setup/")},
+            "engine_start_s": round(first.get("timing/server_start_s", float("nan")), 2),
+            "first_step_s": round(first["timing/step_s"], 2),
+            "command_to_first_record_s": round(first_record_s or float("nan"), 2),
+            "command_to_exit_s": round(wall, 2)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--runs", type=int, default=2, help="runs in a row: the first cold, the rest warm")
+    p.add_argument("--peer", action="store_true", help="the 1B peer workload (benchmarks/peer_workload.py)")
+    p.add_argument("--model", default="olmo2_1b_shape", help="with --peer: the model preset")
+    p.add_argument("--out", type=Path, help="also write the JSON here")
+    p.add_argument("overrides", nargs="*", help="Hydra overrides for every run (after --)")
+    args = p.parse_args()
+    overrides = ["logger.mode=offline", *args.overrides]
+    if args.peer:
+        from peer_workload import WORKLOAD
+        overrides = [f"model={args.model}", *WORKLOAD, *overrides]
+    results = {"overrides": overrides, "runs": []}
+    with tempfile.TemporaryDirectory(prefix="colo_rl_startup_") as tmp:
+        for i in range(args.runs):
+            results["runs"].append({"run": i, "cache": "cold" if i == 0 else "warm",
+                                    **one_run(overrides, Path(tmp) / f"run{i}")})
+            print(json.dumps(results["runs"][-1]), flush=True)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=1))
+    print(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
