@@ -19,7 +19,7 @@ import signal
 import time
 from contextlib import nullcontext
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from statistics import mean
 
@@ -438,6 +438,25 @@ def prompt_seeds(sampling_seed: int | None, step: int, num_prompts: int, n: int)
     return [(base + i * n) % 2**31 for i in range(num_prompts)]
 
 
+def logprobs_due(settings: RunConfig, step: int) -> bool:
+    """Whether step `step` asks the engine for sampled-token log-probs: every step with
+    trainer.tis_cap (its importance weights need them), else steps 0, K, 2K... of
+    sampling.logprobs_every=K (null: 10), which log train/engine_logprob_gap. The loss without
+    TIS does not read them, so the other steps train identically, at the engine's full speed."""
+    s = settings.sampling
+    if not s.logprobs:
+        return False
+    every = s.logprobs_every or (1 if settings.trainer.tis_cap is not None else 10)
+    return step % every == 0
+
+
+def step_sampling(settings: RunConfig, step: int) -> SamplingConfig:
+    """sampling, with log-probs asked for only on the steps `logprobs_due` names."""
+    s = settings.sampling
+    due = logprobs_due(settings, step)
+    return s if due == s.logprobs else replace(s, logprobs=due)
+
+
 def eval_sampling(settings: RunConfig) -> SamplingConfig:
     """How held-out prompts are sampled: eval.n completions at eval.temperature (greedy by
     default), with the training run's length and stop settings and a fixed seed."""
@@ -517,12 +536,12 @@ def train_one_step(step: int, settings: RunConfig, task: Task, trainer: GRPOTrai
     request = dict(model=trainer.model, offloader=offloader, seed=seed,
                    eval_batch=(eval_batch.prompt_ids, eval_sampling(settings)) if evaluating else None)
     try:
-        rollouts = generator.generate(batch.prompt_ids, s, **request)
+        rollouts = generator.generate(batch.prompt_ids, step_sampling(settings, step), **request)
     except GeneratorError as exc:
         if not settings.generator.restart_on_failure:
             raise
         log.error("step %d: %s; generator.restart_on_failure=true: starting a fresh engine", step, exc)
-        rollouts = generator.generate(batch.prompt_ids, s, **request)
+        rollouts = generator.generate(batch.prompt_ids, step_sampling(settings, step), **request)
         rollouts.metrics["generator/restarts"] = 1.0
     logger.phase("train")
     with timer.phase("score"):

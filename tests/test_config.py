@@ -96,6 +96,26 @@ def test_truncated_importance_sampling_needs_the_engines_logprobs_at_the_trainer
     assert validate(compose_config("trainer.tis_cap=2")).trainer.tis_cap == 2.0
 
 
+def test_engine_logprobs_are_asked_for_every_kth_step_and_every_step_under_tis():
+    from colo_rl.run import logprobs_due
+
+    def due(*overrides):
+        settings = validate(compose_config(*overrides))
+        return [step for step in range(25) if logprobs_due(settings, step)]
+
+    assert due() == [0, 10, 20]  # null: every 10th step without TIS
+    assert due("sampling.logprobs_every=4") == [0, 4, 8, 12, 16, 20, 24]
+    assert due("sampling.logprobs_every=1") == list(range(25))
+    assert due("trainer.tis_cap=2") == list(range(25))  # null with TIS: every step
+    assert due("trainer.tis_cap=2", "sampling.logprobs_every=1") == list(range(25))
+    assert due("sampling.logprobs=false", "sampling.logprobs_every=1") == []
+    with pytest.raises(ConfigError, match=r"sampling.logprobs_every=5 must be 1 or null with "
+                                          r"trainer.tis_cap=2.0 .*set sampling.logprobs_every=null"):
+        validate(compose_config("trainer.tis_cap=2", "sampling.logprobs_every=5"))
+    with pytest.raises(ConfigError, match="sampling.logprobs_every=0 must be null"):
+        validate(compose_config("sampling.logprobs_every=0"))
+
+
 @pytest.mark.parametrize("override,key", [
     ("generator.gpu_memory_utilization=1.3", "generator.gpu_memory_utilization=1.3 must be in"),
     ("generator.weight_sync=nccl", "generator.weight_sync"),

@@ -29,6 +29,27 @@ def test_truncated_importance_sampling_and_the_lr_schedule_in_a_run(tmp_path, en
         assert record["train/engine_logprob_gap"] < 1e-4
 
 
+def test_engine_logprobs_on_every_kth_step_train_exactly_like_every_step(tmp_path, engine):
+    """Without TIS the loss never reads the engine's log-probs: asking for them on steps 0 and
+    2 only (logprobs_every=2) gives the same rollouts, losses and final weights as every step,
+    and train/engine_logprob_gap is logged on exactly those steps."""
+    from safetensors.torch import load_file
+
+    runs = {k: train(compose_config(*small_run_overrides(tmp_path / f"every_{k}", "logger=none", "trainer.steps=4",
+                                                         "trainer.lr=1e-3", f"sampling.logprobs_every={k}")),
+                     engine).records for k in (1, 2)}
+    assert [("train/engine_logprob_gap" in r) for r in runs[1]] == [True] * 4
+    assert [("train/engine_logprob_gap" in r) for r in runs[2]] == [True, False, True, False]
+    keys = ["reward/mean", "rollout/tokens", "train/loss", "train/grad_norm"]
+    for every_step, every_2nd in zip(runs[1], runs[2]):
+        assert {k: every_step[k] for k in keys} == {k: every_2nd[k] for k in keys}
+    assert sum(r["train/grad_norm"] > 0 for r in runs[1]) >= 2  # the steps did train
+    weights = [load_file(tmp_path / f"every_{k}" / "checkpoint" / "model.safetensors") for k in (1, 2)]
+    assert weights[0].keys() == weights[1].keys()
+    for name, tensor in weights[0].items():
+        assert torch.equal(tensor, weights[1][name]), name
+
+
 def test_steps_that_go_non_finite_are_skipped_and_stop_the_run_with_a_checkpoint(tmp_path, tiny_policy):
     """lr=1e30: the first update with a non-zero advantage puts the weights near 1e30, and every
     forward after it overflows to NaN. Those steps are skipped; the second in a row stops the run
