@@ -234,6 +234,9 @@ class TrainerConfig:
     # (chunk x vocab) are reduced to log-sum-exp and the sampled token's logit, and recomputed in
     # backward, so the (micro-batch x length x vocab) logits never exist; 0: the full logits
     logprob_chunk: int = 1024
+    # Sequences go into micro-batches in order of length, so each pads to a length near its own
+    # (same loss and gradients up to float summation order); false: in batch order
+    sort_by_length: bool = True
     # Dense bf16 peak of the training device in TFLOP/s, for perf/mfu; null: NVIDIA's figure for a
     # known GPU (H100/H200 989, A100 312; colo_rl/trainer/flops.py), none logged on a CPU or other GPU
     peak_tflops: Optional[float] = None

@@ -326,7 +326,16 @@ class GRPOTrainer:
         return total / p.world_size
 
     def _micro_batches(self, prompts, completions, advantages, engine) -> list[_MicroBatch]:
+        """Micro-batches of cfg.micro_batch_size sequences. With cfg.sort_by_length the sequences go
+        in order of length first, so each micro-batch pads to a length near its own: the loss and
+        gradient are sums over sequences with the global batch's normalizer, so the grouping
+        changes them only by floating-point summation order."""
         size = self.cfg.micro_batch_size
+        if self.cfg.sort_by_length and size < len(completions):
+            order = sorted(range(len(completions)), key=lambda i: len(prompts[i]) + len(completions[i]))
+            prompts, completions = [prompts[i] for i in order], [completions[i] for i in order]
+            advantages = advantages[torch.tensor(order)]
+            engine = [engine[i] for i in order] if engine is not None else None
         return [_pack(prompts[i:i + size], completions[i:i + size], advantages[i:i + size],
                       engine[i:i + size] if engine is not None else None, self.pad_token_id, self.device)
                 for i in range(0, len(completions), size)]

@@ -122,3 +122,28 @@ def test_a_negative_chunk_is_refused_naming_the_key():
 
     with pytest.raises(ConfigError, match="trainer.logprob_chunk=-1"):
         TrainerConfig(logprob_chunk=-1)
+
+
+def test_sorting_by_length_pads_less_and_gives_the_same_step(model_dir):
+    """trainer.sort_by_length: micro-batches of similar lengths compute fewer padded positions;
+    the metrics and the SGD step equal those of batch order to float summation order."""
+    prompts = [[5, 6, 7, 8, 9, 10], [8], [10, 11]]
+    completions = [[14 + j for j in range((i * 5) % 7)] for i in range(len(prompts) * GROUP)]
+    engine = [[-0.5 - 0.1 * j for j in range(len(c))] for c in completions]
+    results, padded = [], []
+    for sort in (False, True):
+        t = trainer(policy(model_dir), 0, micro_batch_size=2, sort_by_length=sort, tis_cap=2.0, kl_coef=0.05)
+        t.optimizer = torch.optim.SGD(t.model.parameters(), lr=0.5)
+        micro = t._micro_batches([p for p in prompts for _ in range(GROUP)], completions,
+                                 torch.zeros(len(completions)), engine)
+        padded.append(sum(mb.input_ids.numel() - mb.attention_mask.sum().item() for mb in micro))
+        assert sum(mb.mask.sum().item() for mb in micro) == sum(map(len, completions))
+        metrics = t.train_step(prompts, completions, REWARDS, GROUP, engine_logprobs=engine)
+        results.append((metrics, {n: p.detach().clone() for n, p in t.model.named_parameters()}))
+    assert padded[1] < padded[0]
+    (m0, p0), (m1, p1) = results
+    assert m0.keys() == m1.keys() and m0["train/loss"] != 0
+    for key in m0:
+        assert m1[key] == pytest.approx(m0[key], rel=1e-5, abs=1e-7), key
+    for name in p0:
+        torch.testing.assert_close(p1[name], p0[name], rtol=1e-5, atol=1e-6)
