@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -70,17 +71,32 @@ def run_arm(name: str, workload: list[str], overrides: list[str], run_dir: Path,
                                 "-lms", "100"], stdout=smi_out, stderr=subprocess.DEVNULL) if has_smi() else None
     start = time.perf_counter()
     cmd = [sys.executable, "-m", "colo_rl.run", *workload, *overrides, f"output_dir={run_dir}"]
-    try:
-        proc = subprocess.run(cmd, cwd=ROOT, timeout=timeout_s, capture_output=True, text=True)
-        code, tail = proc.returncode, (proc.stdout + proc.stderr)[-3000:]
-    except subprocess.TimeoutExpired as exc:
-        code, tail = "timeout", str(exc.output)[-3000:] if exc.output else ""
+    metrics = run_dir / "metrics.jsonl"
+    first_record_s = None  # command to the first step's record (its end), polled every 50 ms
+    with open(run_dir.with_suffix(".log"), "w+") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        code = None
+        while code is None:
+            if first_record_s is None and metrics.exists() and metrics.stat().st_size > 0:
+                first_record_s = time.perf_counter() - start
+            if time.perf_counter() - start > timeout_s:
+                os.killpg(proc.pid, signal.SIGTERM)  # the run's own group: it checkpoints and stops its engine
+                try:
+                    proc.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+                code = "timeout"
+                break
+            time.sleep(0.05)
+            code = proc.poll()
+        log.seek(0)
+        tail = log.read()[-3000:]
     wall_s = time.perf_counter() - start
     if smi is not None:
         smi.terminate()
         smi.wait()
     used = [int(line) for line in smi_log.read_text().split() if line.strip().isdigit()]
-    metrics = run_dir / "metrics.jsonl"
     records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
     steady = records[1:] or records
     med = {k: median(r[k] for r in steady if k in r) for k in KEYS if any(k in r for r in steady)}
@@ -92,6 +108,11 @@ def run_arm(name: str, workload: list[str], overrides: list[str], run_dir: Path,
     planned = [list(row) for row in predicted_vs_measured(records)]
     return {"name": name, "overrides": overrides, "exit_code": code, "wall_s": wall_s, "planned_memory": planned,
             "engine_start_s": records[0].get("timing/server_start_s") if records else None,
+            "command_to_first_record_s": first_record_s,
+            # the first step's start, counted from the command: its record is written when it ends
+            "command_to_first_step_s": first_record_s - records[0]["timing/step_s"]
+            if first_record_s is not None and records and "timing/step_s" in records[0] else None,
+            "setup_s": {k: v for k, v in records[0].items() if k.startswith("setup/")} if records else {},
             "peak_gpu_used_gib": max(used) / 1024 if used else None,
             "baseline_gpu_used_gib": used[0] / 1024 if used else None, "median_steps_2_on": med,
             "steps": records, "output_tail": tail if code != 0 else ""}
@@ -157,7 +178,8 @@ def main(argv=None) -> int:
         results["arms"].append(arm)
         args.out.write_text(json.dumps(results, indent=1))  # a cut call still leaves the arms done
         med = arm["median_steps_2_on"]
-        print(f"{name}: exit {arm['exit_code']}, wall {arm['wall_s']:.0f} s, engine start {arm['engine_start_s']}, "
+        print(f"{name}: exit {arm['exit_code']}, wall {arm['wall_s']:.0f} s, first step starts at "
+              f"{arm['command_to_first_step_s']} s, engine start {arm['engine_start_s']}, "
               f"peak {arm['peak_gpu_used_gib']} GiB, weights {arm.get('weights')}", flush=True)
         for key, value in med.items():
             print(f"  {key:32s} {value:10.3f}", flush=True)

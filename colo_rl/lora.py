@@ -46,6 +46,17 @@ def target_modules(model: torch.nn.Module, cfg: LoraConfig) -> list[str]:
     return list(cfg.target_modules)
 
 
+def check_targets(model_dir, cfg: LoraConfig, trust_remote_code: bool = False) -> None:
+    """Refuse target modules that match no linear layer from the model's config alone (built on
+    the meta device: no memory, milliseconds), before the engine is spawned."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    target_modules(model, cfg)
+
+
 def apply_lora(model: torch.nn.Module, cfg: LoraConfig, adapter_dtype: torch.dtype) -> torch.nn.Module:
     """`model` with LoRA adapters (peft) on the targeted layers: the adapters trainable, in
     `adapter_dtype` (fp32 under trainer.precision=mixed), every other weight frozen as it was."""

@@ -33,7 +33,7 @@ from colo_rl.config import (ConfigError, RunConfig, SamplingConfig, package_dir,
 from colo_rl.export import export_checkpoint
 from colo_rl.generator import GeneratorError, Rollouts, VLLMGenerator
 from colo_rl.generator.client import shared_model_dir, vllm_cache_root
-from colo_rl.lora import load_trainer_policy
+from colo_rl.lora import check_targets, load_trainer_policy
 from colo_rl.metrics import SWITCH_PHASES, MetricsLogger, print_summary
 from colo_rl.models import DTYPES, load_tokenizer, prepare_model_dir
 from colo_rl.parallel import Parallel, reduce_step_metrics
@@ -43,7 +43,7 @@ from colo_rl.tasks import Batch, Task
 from colo_rl.timing import SetupStages, StepTimer, engine_log_status, host_metrics
 from colo_rl.trainer import (CheckpointError, GRPOTrainer, Offloader, TrainingDiverged, load_checkpoint,
                              save_checkpoint)
-from colo_rl.trainer.checkpoint import check_compatible, read_manifest
+from colo_rl.trainer.checkpoint import check_compatible, verify_checkpoint
 from colo_rl.trainer.flops import peak_tflops, perf_metrics
 from colo_rl.trainer.grpo import group_advantages
 
@@ -188,8 +188,11 @@ def _train(cfg: DictConfig, settings: RunConfig, generator: VLLMGenerator | None
     # The memory plan: trainer.offload and generator.gpu_memory_utilization `auto` become values
     # here, and a config whose trainer or engine cannot fit is refused, before anything is built.
     plan = plan_run(settings, model_dir, device, task, show=par.is_main)
-    if t.resume:  # the step count too: a checkpoint with no steps left to do stops here
-        done_steps = read_manifest(t.resume).get("step", 0)
+    if t.lora.rank > 0:  # LoRA's target modules against the model's linear layers
+        check_targets(model_dir, t.lora, settings.model.trust_remote_code)
+    if t.resume:  # its files' checksums and step count too, before the engine is spawned: a
+        # damaged checkpoint or one with no steps left to do stops here
+        done_steps = verify_checkpoint(t.resume).get("step", 0)
         if done_steps >= t.steps:
             raise ConfigError(f"trainer.resume={t.resume} holds a run that already did {done_steps} "
                               f"steps, so trainer.steps={t.steps} leaves none to do: raise trainer.steps "
@@ -260,6 +263,8 @@ def _train(cfg: DictConfig, settings: RunConfig, generator: VLLMGenerator | None
                 generator.ensure_started(trainer.model)  # the weight mapping; a full start if none ran
             if not stages.metrics.get("setup/engine_s"):
                 stages.mark("engine", "engine ready")
+            else:
+                stages.mark("engine_check", "the engine's weight mapping checked against the policy")
         except KeyboardInterrupt as exc:
             if owns_generator:
                 generator.abandon_start()
@@ -308,7 +313,8 @@ def _build_trainer(settings: RunConfig, policy: torch.nn.Module, device: str, pa
                           f"{t.optimizer} optimizer")
     start_step = 0
     if t.resume:
-        extra = load_checkpoint(t.resume, trainer)  # its config and step count were checked before
+        # its config, checksums and step count were checked before the engine was spawned
+        extra = load_checkpoint(t.resume, trainer, verified=True)
         task.sampler.load_state(extra["sampler"])
         start_step = extra["step"]
         stages.mark("resume", f"resumed from {t.resume} after {start_step} steps")

@@ -453,16 +453,23 @@ def test_ctrl_c_while_the_trainer_is_built_beside_the_starting_engine_leaves_not
 
 @pytest.mark.slow
 def test_a_failure_while_the_trainer_is_built_stops_the_engine_started_beside_it(tmp_path, engine):
-    """A checkpoint whose tensors were damaged fails its SHA-256 check while the trainer is built,
+    """A checkpoint whose state.pt needs pickle, its checksum rewritten to match (someone else's
+    file: it passes the checks made before the spawn), fails to load while the trainer is built,
     after the engine was spawned: the error propagates and the engine's group is gone."""
+    import hashlib
+    import json
+
+    import numpy as np
+
     train(compose_config(*small_run_overrides(tmp_path / "first", "logger=none", "trainer.steps=1")), engine)
     checkpoint = tmp_path / "first" / "checkpoint"
-    damaged = next(p for p in sorted(checkpoint.iterdir()) if p.suffix == ".safetensors")
-    data = bytearray(damaged.read_bytes())
-    data[-1] ^= 0xFF
-    damaged.write_bytes(bytes(data))
+    torch.save({"object": np.random.default_rng(0)}, checkpoint / "state.pt")  # needs arbitrary unpickling
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    data = (checkpoint / "state.pt").read_bytes()
+    manifest["files"]["state.pt"] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (checkpoint / "manifest.json").write_text(json.dumps(manifest))
     before = engine_processes()
-    with pytest.raises(CheckpointError):
+    with pytest.raises(CheckpointError, match="not a colo_rl state file"):
         train(compose_config(*small_run_overrides(tmp_path / "again", "logger=none", "trainer.steps=2",
                                                   f"trainer.resume={checkpoint}")))
     assert (tmp_path / "again" / "engine.log").exists()  # the engine had been started

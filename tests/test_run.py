@@ -38,6 +38,9 @@ def test_shortened_default_run_logs_every_phase_and_leaves_no_engine(tmp_path, c
     assert out.index("memory plan") < out.index("colo_rl: ") if "colo_rl: " in out else True
     records = read_metrics(tmp_path)
     assert [r["train/step"] for r in records] == [0, 1, 2]
+    # one engine: the start begun beside the trainer's build is the one the steps use (the weight
+    # mapping check once restarted it, which doubled the time to the first step)
+    assert (tmp_path / "engine.log").read_text().count("Initializing a V1 LLM engine") == 1
     for record in records:
         missing = [k for k in TIMING_KEYS if k not in record]
         assert not missing, missing
@@ -51,7 +54,7 @@ def test_shortened_default_run_logs_every_phase_and_leaves_no_engine(tmp_path, c
     # set-up's stages, once, in the first step's record (and so in W&B)
     setup = {k: v for k, v in records[0].items() if k.startswith("setup/")}
     assert set(setup) == {f"setup/{s}_s" for s in ("config", "tokenizer", "task", "engine_spawn", "policy",
-                                                     "engine", "logger", "total")}
+                                                     "engine", "engine_check", "logger", "total")}
     assert setup["setup/engine_s"] > 1 and setup["setup/total_s"] >= sum(setup.values()) - setup["setup/total_s"]
     assert not any(k.startswith("setup/") for k in records[1])
     assert records == result.records

@@ -486,7 +486,8 @@ class VLLMGenerator:
         """Start the worker and its engine (asleep on GPU), or finish the start `begin_start`
         began, and check the weight mapping. On any failure the worker's process group is gone
         before the error propagates."""
-        if self._start_request is None:
+        begun = self._unchecked and self.process is not None and self.process.alive()
+        if self._start_request is None and not begun:  # nothing started, or an engine already checked
             if self.process is not None:
                 process, self.process = self.process, None
                 process.close()

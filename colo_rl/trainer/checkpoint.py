@@ -360,13 +360,16 @@ def _fmt(value: Any) -> str:
     return "null" if value is None else str(value)
 
 
-def load_checkpoint(directory: str | Path, trainer: GRPOTrainer, *, config: dict | None = None) -> dict:
+def load_checkpoint(directory: str | Path, trainer: GRPOTrainer, *, config: dict | None = None,
+                    verified: bool = False) -> dict:
     """Verify, compare (with `config`: the run's resolved config) and load a checkpoint written
-    by save_checkpoint into `trainer`, with every RNG state; returns its `extra`."""
+    by save_checkpoint into `trainer`, with every RNG state; returns its `extra`. `verified`: the
+    caller has just checked its files against the manifest (verify_checkpoint), so they are not
+    hashed twice (a 1B policy with fp32 AdamW state is 18 GB)."""
     directory = Path(directory)
     if config is not None:
         check_compatible(directory, config)
-    manifest = verify_checkpoint(directory)
+    manifest = read_manifest(directory) if verified else verify_checkpoint(directory)
     aliases = manifest.get("aliases", {})
     files = manifest["files"]
     has_reference = "reference.safetensors" in files
