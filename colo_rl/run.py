@@ -339,9 +339,12 @@ def _loop(settings: RunConfig, task: Task, trainer: GRPOTrainer, offloader: Offl
         if task.held_out is not None:
             final_evaluation(t.steps, settings, task, trainer, offloader, generator, logger, par)
         # The engine first: the checkpoint does not need it, and if writing fails none is left.
-        log.info("all %d steps done: closing the engine, then writing the final checkpoint", t.steps)
+        log.info("all %d steps done: closing the engine%s", t.steps,
+                 ", then writing the final checkpoint" if t.checkpoint_final else "")
         if owns_generator:
+            start = time.perf_counter()
             generator.close()
+            log.info("engine closed (%.1f s)", time.perf_counter() - start)
         if t.checkpoint_final:
             start = time.perf_counter()
             _checkpoint(par, checkpoint_dir, trainer, done, describe)
