@@ -173,7 +173,7 @@ def test_sigterm_checkpoints_closes_the_engine_and_exits_non_zero(tmp_path):
     # the engine starts first and the trainer is built while it loads: they meet at "engine ready"
     for i, stage in enumerate(("config checked", "model files in", "task target_char ready",
                                "engine starting in the background", "policy of", "engine ready (waited",
-                               "logging to")):
+                               "the engine's weight mapping checked", "logging to")):
         assert stage in lines[i], (stage, lines)
     assert not [pid for pid in workers if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
 
