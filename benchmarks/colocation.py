@@ -295,8 +295,10 @@ def recording_offloader(trainer):
 
 def measured_step(generator, trainer, offloader, prompts, sampling):
     """One colocated step through the generator: its record, and its rollouts."""
+    from colo_rl.switch import Switch
+
     offloader.calls.clear()
-    rollouts = generator.generate(prompts, sampling, model=trainer.model, offloader=offloader, seed=0)
+    rollouts = Switch(generator, trainer.model, offloader).generate(prompts, sampling, seed=0)
     return step_record(rollouts, offloader), rollouts
 
 
@@ -329,6 +331,7 @@ def free_gib() -> float:
 def colocated(args, trainer, model_dir: Path, prompts, sampling, log_dir: Path) -> dict:
     """One engine; a warm-up step that starts it, then --steps steps per weight-sync mode."""
     from colo_rl.generator import VLLMGenerator
+    from colo_rl.switch import Switch
 
     offloader = recording_offloader(trainer)
     offloader.overlap_restore = False  # every byte back inside the restore phase; see overlap_section()
@@ -342,7 +345,7 @@ def colocated(args, trainer, model_dir: Path, prompts, sampling, log_dir: Path) 
     with generator:
         log(f"starting the engine (log: {generator.log_path}) and a warm-up step")
         offloader.calls.clear()
-        warmup = generator.generate(prompts, sampling, model=trainer.model, offloader=offloader, seed=0)
+        warmup = Switch(generator, trainer.model, offloader).generate(prompts, sampling, seed=0)
         result["warmup"] = step_record(warmup, offloader)
         result["engine_info"] = generator.engine_info
         log(f"engine up in {warmup.metrics['timing/server_start_s']:.1f} s")

@@ -105,6 +105,7 @@ def main(argv=None) -> int:
 
     from colo_rl.generator import VLLMGenerator
     from colo_rl.models import load_policy, write_embedded_model
+    from colo_rl.switch import Switch
 
     keys = {f.name for f in dataclasses.fields(colocation.generator_config(args))}
     names = [name for name, _, _ in args.variant]
@@ -150,7 +151,7 @@ def main(argv=None) -> int:
                         if arm == "bare":
                             pair["bare_s"] = bare.generate()["generate_s"]
                         else:
-                            m = arms[arm].generate(prompts, sampling, model=policy, seed=0).metrics
+                            m = Switch(arms[arm], policy).generate(prompts, sampling, seed=0).metrics
                             pair[f"{arm}_s"] = m["timing/generate_s"]
                             pair[f"{arm}_engine_s"] = m["generator/engine_generate_s"]
                     pair["speed_vs_bare"] = pair["bare_s"] / pair["colo_rl_s"]
@@ -171,6 +172,7 @@ def start_colo_rl(engines: ExitStack, cfg, env: dict, model_dir: Path, dtype: st
                   prompts, sampling, results: dict, name: str):
     """A colo_rl engine, started by a warm-up step (with `env` set while its worker starts)."""
     from colo_rl.generator import VLLMGenerator
+    from colo_rl.switch import Switch
 
     log(f"starting {name}'s engine" + (f" with {env}" if env else ""))
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -178,7 +180,7 @@ def start_colo_rl(engines: ExitStack, cfg, env: dict, model_dir: Path, dtype: st
     os.environ.update(env)
     try:
         generator = engines.enter_context(VLLMGenerator(cfg, model_dir=model_dir, dtype=dtype, log_dir=log_dir))
-        warmup = generator.generate(prompts, sampling, model=policy, seed=0)
+        warmup = Switch(generator, policy).generate(prompts, sampling, seed=0)
     finally:
         for key, value in saved.items():
             if value is None:

@@ -54,6 +54,7 @@ def measure(args, name: str, engine_kwargs: dict, policy, model_dir: Path, promp
     """One variant, kept in results["variants"][name] and saved after every step (a run cut off
     by a time limit keeps the steps it measured)."""
     from colo_rl.generator import VLLMGenerator
+    from colo_rl.switch import Switch
 
     settings = argparse.Namespace(**{**vars(args), "engine_kwargs": {**args.engine_kwargs, **engine_kwargs}})
     import torch
@@ -67,7 +68,7 @@ def measure(args, name: str, engine_kwargs: dict, policy, model_dir: Path, promp
                               log_dir=args.out.parent / f"{args.out.stem}_logs" / name)
     with generator:
         for step in range(args.steps + 1):
-            rollouts = generator.generate(prompts, sampling, model=policy, seed=0)
+            rollouts = Switch(generator, policy).generate(prompts, sampling, seed=0)
             m = rollouts.metrics
             record = {"generate_s": m["timing/generate_s"], "tokens_per_s": m["rollout/tokens_per_s"],
                       "engine_generate_s": m.get("generator/engine_generate_s"),

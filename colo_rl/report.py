@@ -29,8 +29,8 @@ TIMING_KEYS = tuple(f"timing/{phase}_s" for phase in PHASES)
 # (as in metrics.summary_rows, it is shown on its own).
 STEP_PHASES = tuple(phase for phase in PHASES if phase != "server_start")
 STEP_TIMING_KEYS = tuple(f"timing/{phase}_s" for phase in STEP_PHASES)
-# Events after which the generator snapshots free GPU memory, in the order a step passes them
-# (VLLMGenerator._cycle). Logged on CUDA only; `offload` only with weight_sync=file, and
+# Events after which the switch snapshots free GPU memory, in the order a step passes them
+# (colo_rl.switch.Switch). Logged on CUDA only; `offload` only with weight_sync=file, and
 # `server_start` only by the step that started an engine.
 MEMORY_EVENTS = ("trainer_step", "server_start", "offload", "wake_weights", "wake_kv", "sleep",
                  "restore")

@@ -1,8 +1,9 @@
 """colo_rl's entry point: `python -m colo_rl.run [overrides]` (Hydra).
 
-`run(cfg)` reads top to bottom: validate -> set up (model, task, trainer, offloader, generator,
-logger) -> train (sample prompts, generate with the sleeping engine, score, GRPO update, log) ->
-report. It works without `@hydra.main` (tests call it through Hydra's compose API).
+`run(cfg)` reads top to bottom: validate -> plan memory -> set up (model, task, trainer,
+offloader, generator, the switch between them, logger) -> train (sample prompts, generate through
+the switch: the engine wakes, generates and sleeps; score, GRPO update, log) -> report. It works
+without `@hydra.main` (tests call it through Hydra's compose API).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from colo_rl.cli import boundary, run_cli
 from colo_rl.config import (ConfigError, RunConfig, SamplingConfig, package_dir, register_configs,
                             resolve_device, trainer_precision, validate)
 from colo_rl.export import export_checkpoint
-from colo_rl.generator import GeneratorError, Rollouts, VLLMGenerator
+from colo_rl.generator import Rollouts, VLLMGenerator
 from colo_rl.generator.client import shared_model_dir, vllm_cache_root
 from colo_rl.lora import check_targets, load_trainer_policy
 from colo_rl.metrics import SWITCH_PHASES, MetricsLogger, print_summary
@@ -39,6 +40,7 @@ from colo_rl.models import DTYPES, load_tokenizer, prepare_model_dir
 from colo_rl.parallel import Parallel, reduce_step_metrics
 from colo_rl.planner import plan_run
 from colo_rl.rundir import RunDirLock
+from colo_rl.switch import Switch
 from colo_rl.tasks import Batch, Task
 from colo_rl.timing import SetupStages, StepTimer, engine_log_status, host_metrics
 from colo_rl.trainer import (CheckpointError, GRPOTrainer, Offloader, TrainingDiverged, load_checkpoint,
@@ -231,7 +233,7 @@ def _train(cfg: DictConfig, settings: RunConfig, generator: VLLMGenerator | None
     start_step = 0
     with guard.installed():
         try:
-            if not (generator.process and generator.process.alive()):
+            if not generator.running:
                 generator.begin_start()
                 stages.mark("engine_spawn", f"engine starting in the background (vLLM in its own "
                                             f"process; log: {generator.log_path})")
@@ -281,8 +283,10 @@ def _train(cfg: DictConfig, settings: RunConfig, generator: VLLMGenerator | None
         with logger:
             stages.mark("logger", f"logging to {logger.path}" + (" and a W&B run" if logger.run else ""))
             logger.add_to_next({**stages.finish(), **task.setup_metrics, **plan.metrics()})
-            _loop(settings, task, trainer, offloader, generator, logger, guard, par, start_step,
-                  checkpoint_dir, owns_generator, {"config": resolved, "model_dir": model_dir})
+            switch = Switch(generator, trainer.model, offloader,
+                            restart_on_failure=settings.generator.restart_on_failure)
+            _loop(settings, task, trainer, switch, logger, guard, par, start_step, checkpoint_dir,
+                  owns_generator, {"config": resolved, "model_dir": model_dir})
     if t.export_final and par.is_main:
         export_checkpoint(checkpoint_dir, Path(t.export_dir) if t.export_dir else output_dir / "export",
                           overwrite=True)
@@ -321,23 +325,23 @@ def _build_trainer(settings: RunConfig, policy: torch.nn.Module, device: str, pa
     return trainer, offloader, start_step
 
 
-def _loop(settings: RunConfig, task: Task, trainer: GRPOTrainer, offloader: Offloader,
-          generator: VLLMGenerator, logger: MetricsLogger, guard: InterruptGuard, par: Parallel,
-          start_step: int, checkpoint_dir: Path, owns_generator: bool, describe: dict) -> None:
+def _loop(settings: RunConfig, task: Task, trainer: GRPOTrainer, switch: Switch, logger: MetricsLogger,
+          guard: InterruptGuard, par: Parallel, start_step: int, checkpoint_dir: Path,
+          owns_generator: bool, describe: dict) -> None:
     """The steps, then the final checkpoint; on an interruption or a failure, a checkpoint of
     the last applied step (when the trainer's state is intact) and the engine closed."""
     t = settings.trainer
+    generator = switch.engine
     # `done` is what a checkpoint holds: steps fully applied and logged, and the prompt sampler's
     # position before the next step, so a resumed run draws the same prompts as an uninterrupted one.
     done = {"step": start_step, "sampler": task.sampler.state()}
     try:
         for step in range(start_step, t.steps):
-            train_one_step(step, settings, task, trainer, offloader, generator, logger, guard,
-                           done, par)
+            train_one_step(step, settings, task, trainer, switch, logger, guard, done, par)
             if t.checkpoint_every and done["step"] % t.checkpoint_every == 0:
                 _checkpoint(par, checkpoint_dir, trainer, done, describe)
         if task.held_out is not None:
-            final_evaluation(t.steps, settings, task, trainer, offloader, generator, logger, par)
+            final_evaluation(t.steps, settings, task, switch, logger, par)
         # The engine first: the checkpoint does not need it, and if writing fails none is left.
         log.info("all %d steps done: closing the engine%s", t.steps,
                  ", then writing the final checkpoint" if t.checkpoint_final else "")
@@ -351,7 +355,7 @@ def _loop(settings: RunConfig, task: Task, trainer: GRPOTrainer, offloader: Offl
             log.info("final checkpoint of step %d written to %s (%.1f s)", done["step"], checkpoint_dir,
                      time.perf_counter() - start)
     except KeyboardInterrupt as exc:
-        # The generator has put the engine to sleep and restored the trainer before this.
+        # The switch has put the engine to sleep and restored the trainer before this.
         guard.shutting_down(guard.kill_engine)
         if par.mode == "fsdp":  # gathering shards needs every rank, and some may be gone
             log.error("interrupted after %d steps (%s); trainer.parallel=fsdp writes no "
@@ -497,16 +501,14 @@ def evaluation_metrics(task: Task, batch: Batch, rollouts: Rollouts, settings: R
             "eval/prompts": float(len(passed))}
 
 
-def final_evaluation(step: int, settings: RunConfig, task: Task, trainer: GRPOTrainer,
-                     offloader: Offloader, generator: VLLMGenerator, logger: MetricsLogger,
-                     par: Parallel) -> None:
+def final_evaluation(step: int, settings: RunConfig, task: Task, switch: Switch,
+                     logger: MetricsLogger, par: Parallel) -> None:
     """The held-out evaluation of the trained policy, in a wake of its own; logged as a record
     of its own at `step` (the number of steps trained)."""
     logger.phase("eval")
     batch = _eval_shard(task, par)
     start = time.perf_counter()
-    rollouts = generator.generate(batch.prompt_ids, eval_sampling(settings), model=trainer.model,
-                                  offloader=offloader)
+    rollouts = switch.generate(batch.prompt_ids, eval_sampling(settings))
     metrics = evaluation_metrics(task, batch, rollouts, settings, step, par)
     metrics["timing/eval_s"] = time.perf_counter() - start
     logger.log(step, metrics, count_step=False)
@@ -525,9 +527,9 @@ def sample_rows(step: int, batch: Batch, texts: list[str], rewards: list[float],
              "advantage": advantages[i]} for i in range(min(count, len(texts)))]
 
 
-def train_one_step(step: int, settings: RunConfig, task: Task, trainer: GRPOTrainer,
-                   offloader: Offloader, generator: VLLMGenerator, logger: MetricsLogger,
-                   guard: InterruptGuard, done: dict, par: Parallel | None = None) -> None:
+def train_one_step(step: int, settings: RunConfig, task: Task, trainer: GRPOTrainer, switch: Switch,
+                   logger: MetricsLogger, guard: InterruptGuard, done: dict,
+                   par: Parallel | None = None) -> None:
     """Sample prompts, generate, score, update, log: one RL step. Under data parallelism every
     rank draws the same global batch and works on its shard; the metrics are reduced. When an
     evaluation is due, the held-out prompts are generated in the same wake as the rollouts."""
@@ -542,16 +544,8 @@ def train_one_step(step: int, settings: RunConfig, task: Task, trainer: GRPOTrai
     evaluating = task.held_out is not None and step % e.every == 0
     eval_batch = _eval_shard(task, par) if evaluating else None
     logger.phase("generate")
-    request = dict(model=trainer.model, offloader=offloader, seed=seed,
-                   eval_batch=(eval_batch.prompt_ids, eval_sampling(settings)) if evaluating else None)
-    try:
-        rollouts = generator.generate(batch.prompt_ids, step_sampling(settings, step), **request)
-    except GeneratorError as exc:
-        if not settings.generator.restart_on_failure:
-            raise
-        log.error("step %d: %s; generator.restart_on_failure=true: starting a fresh engine", step, exc)
-        rollouts = generator.generate(batch.prompt_ids, step_sampling(settings, step), **request)
-        rollouts.metrics["generator/restarts"] = 1.0
+    rollouts = switch.generate(batch.prompt_ids, step_sampling(settings, step), seed=seed, step=step,
+                               eval_batch=(eval_batch.prompt_ids, eval_sampling(settings)) if evaluating else None)
     logger.phase("train")
     with timer.phase("score"):
         rewards, values = task.score(batch, rollouts.texts, s.n, f"at step {step}")
@@ -563,13 +557,13 @@ def train_one_step(step: int, settings: RunConfig, task: Task, trainer: GRPOTrai
         with timer.phase("train"):
             train_metrics = trainer.train_step(batch.prompt_ids, rollouts.completion_ids, rewards, s.n,
                                                engine_logprobs=rollouts.logprobs)
-        metrics = {**rollouts.metrics, **timer.metrics, **train_metrics, **offloader.background_stats(),
+        metrics = {**rollouts.metrics, **timer.metrics, **train_metrics, **switch.offloader.background_stats(),
                    "train/trainable_params": float(trainer.trainable_params)}
         metrics.update(perf_metrics(trainer.last_step_flops, timer.metrics["timing/train_s"],
                                     peak_tflops(settings.trainer.peak_tflops, trainer.device)))
         if torch.cuda.is_available():
             metrics["memory/trainer_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
-        metrics.update(host_metrics(generator.process.pid if generator.process else None))
+        metrics.update(host_metrics(switch.engine.pid))
         step_s = time.perf_counter() - step_start
         switch_s = sum(metrics.get(f"timing/{phase}_s", 0.0) for phase in SWITCH_PHASES)
         metrics.update({

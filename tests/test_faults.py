@@ -28,6 +28,7 @@ from colo_rl.generator.client import group_members
 from colo_rl.generator.worker import FAULT_ENV
 from colo_rl.run import train
 from colo_rl.rundir import RunDirInUse, RunDirLock
+from colo_rl.switch import Switch
 from colo_rl.trainer import Offloader
 from colo_rl.trainer.checkpoint import CheckpointError, read_manifest
 
@@ -79,13 +80,13 @@ def test_a_worker_killed_or_hung_in_a_phase_fails_cleanly_and_the_next_step_rest
         before = snapshot(model, optimizer)
         with pytest.raises(GeneratorError, match=rf"(?s)during {op}: .*{message}.*engine log: "
                                                  rf".*engine.log"):
-            generator.generate(PROMPTS, GREEDY, model=model, offloader=offloader)
+            Switch(generator, model, offloader).generate(PROMPTS, GREEDY)
         assert group_members(pgid) == [], "processes of the failed worker's group survived"
         assert offloader.offloaded == set()
         assert_same(before, snapshot(model, optimizer))
         assert f"sending myself {signame} on '{op}'" in (tmp_path / "engine.log").read_text()
 
-        rollouts = generator.generate(PROMPTS, GREEDY, model=model, offloader=offloader)
+        rollouts = Switch(generator, model, offloader).generate(PROMPTS, GREEDY)
         assert generator.process.pid != pgid and "timing/server_start_s" in rollouts.metrics
         assert rollouts.metrics["sync/tensors"] == len(list(model.parameters()))
         for prompt, tokens in zip(PROMPTS, rollouts.completion_ids):  # the weights were re-pushed
@@ -112,7 +113,7 @@ def test_with_the_engine_core_in_its_own_process_a_killed_worker_leaves_no_engin
         assert "VLLM::EngineCore" in [p.name() for p in group_members(pgid)]
         before = snapshot(model, optimizer)
         with pytest.raises(GeneratorError, match=r"(?s)during generate: .*exited with code -9"):
-            generator.generate(PROMPTS, GREEDY, model=model, offloader=offloader)
+            Switch(generator, model, offloader).generate(PROMPTS, GREEDY)
         assert group_members(pgid) == [], "the worker's engine core (or another of its group) survived"
         assert offloader.offloaded == set()
         assert_same(before, snapshot(model, optimizer))
@@ -180,7 +181,7 @@ def test_restart_on_failure_continues_the_run_after_the_worker_is_killed(tmp_pat
 def test_without_restart_on_failure_the_run_stops_with_a_checkpoint_of_its_last_step(
         tmp_path, monkeypatch, caplog, engine):
     """The worker is SIGKILLed in step 1's generate: the run stops naming the phase, and the
-    trainer's state (restored by the generator) is checkpointed as of step 1; resuming into the
+    trainer's state (restored by the switch) is checkpointed as of step 1; resuming into the
     same directory continues metrics.jsonl with step 1."""
     monkeypatch.setenv(FAULT_ENV, "generate@2:SIGKILL")
     before = engine_processes()

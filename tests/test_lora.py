@@ -20,6 +20,7 @@ from colo_rl.export import export_checkpoint
 from colo_rl.lora import apply_lora, hf_parameters, merged_weight
 from colo_rl.models import load_policy
 from colo_rl.run import train
+from colo_rl.switch import Switch
 from colo_rl.trainer import CheckpointError, GRPOTrainer, Offloader, load_checkpoint, save_checkpoint
 from colo_rl.trainer.checkpoint import check_compatible, read_manifest
 
@@ -189,7 +190,7 @@ def test_after_a_push_the_engine_greedy_equals_the_merged_model_token_for_token(
     merged = copy.deepcopy(model).merge_and_unload()
     plain = load_policy(ModelConfig(), tiny_model_dir, "cpu")
     greedy = SamplingConfig(n=1, temperature=0.0, max_tokens=12)
-    rollouts = engine.generate(PROMPTS, greedy, model=model)
+    rollouts = Switch(engine, model).generate(PROMPTS, greedy)
     for prompt, tokens in zip(PROMPTS, rollouts.completion_ids):
         assert tokens == hf_greedy(merged, prompt, greedy.max_tokens)[:len(tokens)]
     assert rollouts.completion_ids != [hf_greedy(plain, p, greedy.max_tokens) for p in PROMPTS]

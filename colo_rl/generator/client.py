@@ -1,9 +1,10 @@
-"""The trainer's side of the sleeping vLLM generator. Never imports vllm.
+"""The trainer's side of the sleeping vLLM generator: the engine client. Never imports vllm.
 
-`EngineProcess` owns the worker subprocess and its private control channel; `VLLMGenerator` runs
-the step protocol on top of it: offload trainer -> stage or share weights -> start engine (first
-call) -> wake weights -> load and verify -> reset prefix cache -> wake KV cache -> generate ->
-sleep -> restore trainer.
+`EngineProcess` owns the worker subprocess and its private control channel; `VLLMGenerator` speaks
+to the worker on top of it: start the engine (and check the weight mapping), stage or share
+weights and load them, wake, reset the prefix cache, generate, sleep, close. It knows nothing of
+the trainer's state: colo_rl.switch sequences these requests into a wake that hands the GPU from
+the trainer to the engine and back.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from glob import glob
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection, answer_challenge, deliver_challenge
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import psutil
 import torch
@@ -34,10 +34,6 @@ from colo_rl.config import GeneratorConfig, SamplingConfig, engine_python, resol
 from colo_rl.generator.channel import read_deadline
 from colo_rl.generator.staging import tensor_checksum, write_staged_file
 from colo_rl.lora import hf_parameters, merged_weight
-from colo_rl.timing import StepTimer
-
-if TYPE_CHECKING:
-    from colo_rl.trainer.offload import Offloader
 
 log = logging.getLogger(__name__)
 
@@ -335,19 +331,6 @@ def _running(pid: int, started: float | None) -> bool:
         return False
 
 
-class _NoOffload:
-    """Stands in for the trainer's Offloader when the caller keeps its tensors where they are."""
-
-    def offload(self, parts=()) -> dict:
-        return {}
-
-    def restore(self) -> dict:
-        return {}
-
-    def fits_beside_engine(self) -> bool:
-        return False
-
-
 @dataclass
 class Rollouts:
     """One step's generations, grouped: prompt i's completions are [i*n:(i+1)*n]."""
@@ -359,7 +342,7 @@ class Rollouts:
     finish_reasons: list[str]
     group_size: int
     metrics: dict[str, float] = field(default_factory=dict)
-    evaluation: "Rollouts | None" = None  # generate(eval_batch=...)'s, from the same wake
+    evaluation: "Rollouts | None" = None  # colo_rl.switch's eval_batch, from the same wake
 
 
 class VLLMGenerator:
@@ -552,43 +535,86 @@ class VLLMGenerator:
         elif self.process is not None:
             self.process.close()  # already failing: don't mask the original error
 
-    # -- one step --------------------------------------------------------------------------
+    # -- requests to the running engine (colo_rl.switch sequences them into a wake) ----------
 
-    def generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig, *, model: torch.nn.Module,
-                 offloader: Offloader | None = None, seed: int | list[int] | None = None,
-                 eval_batch: tuple[list[list[int]], SamplingConfig] | None = None) -> Rollouts:
-        """Push `model`'s weights, generate `sampling.n` completions per prompt, hand the GPU back.
+    @property
+    def running(self) -> bool:
+        """A worker is up (it may be starting: see `starting`)."""
+        return self.process is not None and self.process.alive()
 
-        `eval_batch`: (prompt ids, sampling) of a second batch generated in the same wake, after
-        the first (evaluation), returned as the result's `evaluation`.
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process else None
 
-        `seed`: one for the whole batch, or one per prompt (a prompt's completions then do not
-        depend on what else is in the batch: data-parallel ranks sample what one process would).
+    def take_start_seconds(self) -> float | None:
+        """Seconds of the latest start, once: for the metrics of the step after a start that
+        `ensure_started` made during set-up; None when they have been taken already."""
+        seconds, self._unreported_start_s = self._unreported_start_s, None
+        return seconds
 
-        On any failure the engine is put to sleep (or its process group killed) before the
-        trainer's tensors go back to the GPU; if it cannot be stopped, they stay on the CPU.
-        """
-        offloader = offloader or _NoOffload()
-        timer = StepTimer()
-        start = time.perf_counter()
-        try:
-            result = self._cycle(prompt_ids, sampling, model, offloader, seed, timer, eval_batch)
-        except BaseException as exc:
-            phase = timer.current or "generate"
-            if not self._recover(offloader):
-                state = ("so the trainer's state stays on the CPU" if getattr(offloader, "offloaded", None)
-                         else "the trainer's state is on its device")
-                raise GeneratorError(f"{exc}; the engine could not be stopped, {state}", phase=phase,
-                                     log_path=self.log_path) from exc
-            if isinstance(exc, GeneratorError) or not isinstance(exc, Exception):
-                raise  # already names its phase, or an interrupt the runner checkpoints on
-            raise GeneratorError(f"{type(exc).__name__}: {exc}", phase=phase,
-                                 log_path=self.log_path) from exc
-        timer.metrics["timing/generator_total_s"] = time.perf_counter() - start
-        m = timer.metrics
-        m["timing/wake_s"] = m.get("timing/wake_weights_s", 0.0) + m.get("timing/wake_kv_s", 0.0)
-        result.metrics.update(m)
-        return result
+    def wake(self, tags: list[str]) -> None:
+        """Wake the engine's `weights` or `kv_cache`."""
+        self.process.request("wake", timeout=self.cfg.request_timeout_s, tags=tags)
+
+    def sleep(self, timeout: float | None = None) -> dict:
+        """Put the engine to sleep (generator.sleep_level); {"skipped": True} where vLLM has no
+        sleep mode (CPU)."""
+        return self.process.request("sleep", timeout=timeout or self.cfg.request_timeout_s,
+                                    level=self.cfg.sleep_level)
+
+    def kill(self) -> bool:
+        """Kill the worker's process group; True once none of it is left (the worker is then
+        forgotten, and the next start is a fresh one) or when none runs."""
+        if self.process is None:
+            return True
+        released = self.process.kill()
+        if released:
+            self.process.close()
+            self.process = None
+        return released
+
+    def stage(self, model: torch.nn.Module) -> tuple[Path, str]:
+        """Write `model`'s weights, in the engine's dtype, to a staged file (generator.staging_dir)
+        for `load_file`: its path and fingerprint. The caller deletes the file."""
+        return write_staged_file([(n, t.cpu()) for n, t in self._engine_tensors(model)], self._staging_dir())
+
+    def load_file(self, path: Path, fingerprint: str) -> dict:
+        """Load a staged file into the awake engine, which verifies it first; the load's stats."""
+        stats = self.process.request("load_file", timeout=self.cfg.request_timeout_s, path=str(path),
+                                     fingerprint=fingerprint)
+        self.pushes += 1
+        return stats
+
+    def load_ipc(self, model: torch.nn.Module) -> dict:
+        """Load `model`'s weights into the awake engine straight from the trainer's GPU memory
+        (CUDA IPC, checksummed on both sides); the load's stats."""
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        entries = []
+        tensors = self._engine_tensors(model)  # held until the engine has copied them
+        for name, t in tensors:
+            rebuild, args = reduce_tensor(t)
+            entries.append((name, rebuild, args, tensor_checksum(t)))
+        stats = self.process.request("load_ipc", timeout=self.cfg.request_timeout_s,
+                                     payload=pickle.dumps(entries))
+        del tensors
+        torch.cuda.ipc_collect()  # the engine dropped its mappings; let our allocator free them
+        self.pushes += 1
+        return {**stats, "cast_gib": self._cast_gib(model)}
+
+    def reset_prefix_cache(self) -> None:
+        """Drop the engine's cached KV: after a load it belongs to the previous weights."""
+        self.process.request("reset_prefix_cache", timeout=self.cfg.request_timeout_s)
+
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig,
+                 seed: int | list[int] | None = None) -> Rollouts:
+        """Generate `sampling.n` completions per prompt on the awake engine (`seed`: one for the
+        batch or one per prompt); the result's metrics are the engine's own `generator/*`."""
+        out = self.process.request("generate", timeout=self.cfg.request_timeout_s, prompts=prompt_ids,
+                                   sampling=self._sampling_params(sampling, seed))
+        return Rollouts(prompt_ids=prompt_ids, completion_ids=out["token_ids"], texts=out["texts"],
+                        logprobs=out["logprobs"], finish_reasons=out["finish_reasons"], group_size=sampling.n,
+                        metrics={f"generator/{k}": float(v) for k, v in out.get("stats", {}).items()})
 
     @staticmethod
     def _hf_specs(model: torch.nn.Module) -> list[list]:
@@ -614,102 +640,6 @@ class VLLMGenerator:
         return sum(p.numel() * dtype.itemsize for _, p, layer in hf_parameters(model)
                    if layer is not None or p.dtype != dtype) / 2**30
 
-    def _cycle(self, prompt_ids, sampling, model, offloader, seed, timer: StepTimer,
-               eval_batch=None) -> Rollouts:
-        m = timer.metrics
-        timer.memory("trainer_step")
-        if self.process is None or not self.process.alive():  # first step, or restart_on_failure
-            with timer.phase("server_start"):
-                self.start(self._hf_specs(model))
-            self._unreported_start_s = None  # in this step's server_start phase already
-            timer.memory("server_start")
-        elif self._unreported_start_s is not None:  # started by ensure_started() during set-up
-            m["timing/server_start_s"] = self._unreported_start_s
-        self._unreported_start_s = None
-        r = self.cfg.request_timeout_s
-        if self.weight_sync == "cuda_ipc":
-            with timer.phase("offload"):
-                offloader.offload(("optimizer",))
-            with timer.phase("wake_weights"):
-                self.process.request("wake", timeout=r, tags=["weights"])
-            with timer.phase("weight_load"):
-                stats = self._push_ipc(model)
-            with timer.phase("offload"):
-                offloader.offload(("params",))
-        else:
-            with timer.phase("offload"):
-                offloader.offload(("optimizer", "params"))
-            timer.memory("offload")
-            with timer.phase("stage"):
-                path, fingerprint = write_staged_file(
-                    [(n, t.cpu()) for n, t in self._engine_tensors(model)], self._staging_dir())
-            try:
-                with timer.phase("wake_weights"):
-                    self.process.request("wake", timeout=r, tags=["weights"])
-                with timer.phase("weight_load"):
-                    stats = self.process.request("load_file", timeout=r, path=str(path),
-                                                 fingerprint=fingerprint)
-            finally:
-                path.unlink(missing_ok=True)
-        with timer.phase("weight_load"):
-            self.process.request("reset_prefix_cache", timeout=r)
-        self.pushes += 1
-        m.update({f"sync/{k}": float(v) for k, v in stats.items()})
-        timer.memory("wake_weights")
-        with timer.phase("wake_kv"):
-            self.process.request("wake", timeout=r, tags=["kv_cache"])
-        timer.memory("wake_kv")
-        with timer.phase("generate"):
-            out = self.process.request("generate", timeout=r, prompts=prompt_ids,
-                                       sampling=self._sampling_params(sampling, seed))
-        # llm.generate alone, and the garbage collector's pauses of the engine's process inside it
-        m.update({f"generator/{k}": float(v) for k, v in out.pop("stats", {}).items()})
-        evaluation = None
-        if eval_batch is not None:
-            eval_ids, eval_sampling = eval_batch
-            with timer.phase("eval"):
-                eval_out = self.process.request("generate", timeout=r, prompts=eval_ids,
-                                                sampling=self._sampling_params(eval_sampling, eval_sampling.seed))
-            eval_out.pop("stats", None)
-            evaluation = self._rollouts(eval_ids, eval_out, eval_sampling.n, {})
-        # trainer.restore_while_awake: with room for both, the trainer's copies run before the
-        # engine frees its memory, not in the contended second after its sleep
-        restore_awake = offloader.fits_beside_engine()
-        if restore_awake:
-            try:
-                with timer.phase("restore"):
-                    offloader.restore()
-            except torch.OutOfMemoryError as exc:  # the offloader put everything back on the host
-                log.warning("restoring beside the awake engine ran out of GPU memory (%s); restoring "
-                            "after its sleep instead", str(exc).splitlines()[0])
-                restore_awake = False
-        with timer.phase("sleep"):
-            slept = self.process.request("sleep", timeout=r, level=self.cfg.sleep_level)
-        timer.memory("sleep")  # restored awake: this reading includes the trainer's state, back already
-        if not restore_awake:
-            with timer.phase("restore"):
-                offloader.restore()
-        timer.memory("restore")
-        m["generator/sleep_skipped"] = float(slept["skipped"])
-        m["generator/restored_awake"] = float(restore_awake)
-        result = self._rollouts(prompt_ids, out, sampling.n, m)
-        result.evaluation = evaluation
-        return result
-
-    def _push_ipc(self, model: torch.nn.Module) -> dict:
-        from torch.multiprocessing.reductions import reduce_tensor
-
-        entries = []
-        tensors = self._engine_tensors(model)  # held until the engine has copied them
-        for name, t in tensors:
-            rebuild, args = reduce_tensor(t)
-            entries.append((name, rebuild, args, tensor_checksum(t)))
-        stats = self.process.request("load_ipc", timeout=self.cfg.request_timeout_s,
-                                     payload=pickle.dumps(entries))
-        del tensors
-        torch.cuda.ipc_collect()  # the engine dropped its mappings; let our allocator free them
-        return {**stats, "cast_gib": self._cast_gib(model)}
-
     def _staging_dir(self) -> str:
         if self.cfg.staging_dir != "auto":
             return self.cfg.staging_dir
@@ -720,37 +650,3 @@ class VLLMGenerator:
         return {"n": s.n, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
                 "max_tokens": s.max_tokens, "stop": list(s.stop), "seed": seed,
                 "logprobs": 0 if s.logprobs else None, "ignore_eos": s.ignore_eos}
-
-    @staticmethod
-    def _rollouts(prompt_ids, out: dict, n: int, metrics: dict) -> Rollouts:
-        lengths = [len(ids) for ids in out["token_ids"]]
-        generated = sum(lengths)
-        metrics.update({"rollout/tokens": float(generated),
-                        "rollout/mean_length": generated / max(1, len(lengths)),
-                        "rollout/tokens_per_s": generated / max(metrics.get("timing/generate_s", 0), 1e-9)})
-        return Rollouts(prompt_ids=prompt_ids, completion_ids=out["token_ids"], texts=out["texts"],
-                        logprobs=out["logprobs"], finish_reasons=out["finish_reasons"], group_size=n,
-                        metrics=metrics)
-
-    def _recover(self, offloader) -> bool:
-        """Free the GPU from the engine (sleep, else kill its group), then restore the trainer.
-
-        Returns False when the engine could not be stopped; the trainer then stays on the CPU.
-        """
-        released = False
-        if self.process is not None and self.process.alive():
-            try:
-                self.process.request("sleep", timeout=60, level=self.cfg.sleep_level)
-                released = True
-            except GeneratorError as exc:
-                log.warning("engine did not go to sleep after a failure (%s); killing it", exc)
-        if not released and self.process is not None:
-            released = self.process.kill()
-            if released:
-                self.process.close()
-                self.process = None
-        elif self.process is None:
-            released = True
-        if released:
-            offloader.restore()
-        return released

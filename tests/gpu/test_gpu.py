@@ -23,6 +23,7 @@ from colo_rl.config import EmbeddedModelConfig, GeneratorConfig, ModelConfig, Sa
 from colo_rl.generator import VLLMGenerator
 from colo_rl.models import load_policy, write_embedded_model
 from colo_rl.run import train
+from colo_rl.switch import Switch
 from colo_rl.trainer import GRPOTrainer, Offloader
 
 from ..conftest import compose_config, engine_processes, small_run_overrides
@@ -87,8 +88,8 @@ class Colocated:
 
     def cycle(self, sync_mode: str, sampling: SamplingConfig = GREEDY, seed: int = 0):
         """One generate step with the trainer's state offloaded and restored around it."""
-        return self.using(sync_mode).generate(PROMPTS, sampling, model=self.trainer.model,
-                                              offloader=self.offloader, seed=seed)
+        return Switch(self.using(sync_mode), self.trainer.model, self.offloader).generate(PROMPTS, sampling,
+                                                                                         seed=seed)
 
 
 def colocated(tmp_path_factory, dtype: str):
@@ -181,7 +182,7 @@ def test_fp32_engine_greedy_is_the_trainers_greedy(fp32, sync_mode):
 def test_new_weights_change_the_output_and_old_weights_bring_it_back(fp32, sync_mode):
     first = fp32.cycle(sync_mode)
     other = perturbed(fp32.trainer.model, seed=1)
-    changed = fp32.using(sync_mode).generate(PROMPTS, GREEDY, model=other)
+    changed = Switch(fp32.using(sync_mode), other).generate(PROMPTS, GREEDY)
     assert changed.completion_ids != first.completion_ids
     assert_greedy_matches(other, changed)
     del other
@@ -209,7 +210,7 @@ def test_offload_restore_through_the_generator_is_bit_exact(fp32, sync_mode, awa
     cycled, kept = new_trainer(fp32.model_dir, "float32"), new_trainer(fp32.model_dir, "float32")
     before = {k: t.detach().clone() for k, t in state_tensors(cycled).items()}
     offloader = Offloader(cycled.model, cycled.optimizer, "all", restore_while_awake=awake)
-    rollouts = fp32.using(sync_mode).generate(PROMPTS, SAMPLED, model=cycled.model, offloader=offloader)
+    rollouts = Switch(fp32.using(sync_mode), cycled.model, offloader).generate(PROMPTS, SAMPLED)
     assert offloader._host and offloader.offloaded == set()  # it did move the state, and brought it back
     # the small engine (30% of the GPU) leaves room: the restore ran before its sleep when asked to
     assert rollouts.metrics["generator/restored_awake"] == float(awake)

@@ -12,6 +12,7 @@ from colo_rl.config import ConfigError, GeneratorConfig, ModelConfig, SamplingCo
 from colo_rl.generator import VLLMGenerator
 from colo_rl.models import load_policy, write_embedded_model
 from colo_rl.run import train
+from colo_rl.switch import Switch
 from colo_rl.trainer import GRPOTrainer, load_checkpoint
 
 from ..conftest import compose_config, small_run_overrides
@@ -145,7 +146,7 @@ def test_a_bf16_engine_gets_the_fp32_masters_cast_and_decodes_as_the_cast_model(
             p.add_(torch.randn_like(p) * 1e-3)
     greedy = SamplingConfig(n=1, temperature=0.0, max_tokens=8, logprobs=True)
     prompts = [[5, 6, 7, 8], [9, 10, 11]]
-    rollouts = bf16_engine.generate(prompts, greedy, model=master)
+    rollouts = Switch(bf16_engine, master).generate(prompts, greedy)
     # what a push sends (and the engine verifies by checksum before loading): the cast masters
     pushed = dict(bf16_engine._engine_tensors(master))
     for name, p in master.named_parameters():
