@@ -78,9 +78,9 @@ class Switch:
             if step is None or not self.restart_on_failure:
                 raise
             log.error("step %d: %s; generator.restart_on_failure=true: starting a fresh engine", step, exc)
-        rollouts = self._engine_phase(prompt_ids, sampling, seed, eval_batch)
-        rollouts.metrics["generator/restarts"] = 1.0
-        return rollouts
+            rollouts = self._engine_phase(prompt_ids, sampling, seed, eval_batch)
+            rollouts.metrics["generator/restarts"] = 1.0
+            return rollouts
 
     def _engine_phase(self, prompt_ids, sampling, seed, eval_batch) -> Rollouts:
         """One wake, timed phase by phase; a failure is recovered from (`_recover`) and raised
