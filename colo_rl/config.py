@@ -253,6 +253,10 @@ class TrainerConfig:
     seed: int = 0
     checkpoint_every: int = 0  # steps; 0: only at the end and on interruption
     checkpoint_final: bool = True  # false: none at the end (a sweep that wants metrics only); faults still write one
+    # true: periodic and final checkpoints are copied to host memory (the step waits for that copy
+    # only) and written on a thread while the run goes on; needs host memory for one more copy of
+    # the trainer's state (1B shape, fp32 masters + AdamW: 16.6 GiB)
+    checkpoint_background: bool = False
     resume: Optional[str] = None  # a checkpoint directory written by an earlier run
     export_final: bool = False  # at the end, a Hugging Face model directory from the last checkpoint
     export_dir: Optional[str] = None  # where export_final writes; null: OUTPUT_DIR/export

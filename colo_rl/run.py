@@ -45,7 +45,7 @@ from colo_rl.tasks import Batch, Task
 from colo_rl.timing import SetupStages, StepTimer, engine_log_status, host_metrics
 from colo_rl.trainer import (CheckpointError, GRPOTrainer, Offloader, TrainingDiverged, load_checkpoint,
                              save_checkpoint)
-from colo_rl.trainer.checkpoint import check_compatible, verify_checkpoint
+from colo_rl.trainer.checkpoint import BackgroundWriter, check_compatible, snapshot, verify_checkpoint
 from colo_rl.trainer.flops import peak_tflops, perf_metrics
 from colo_rl.trainer.grpo import group_advantages
 
@@ -335,35 +335,52 @@ def _loop(settings: RunConfig, task: Task, trainer: GRPOTrainer, switch: Switch,
     # `done` is what a checkpoint holds: steps fully applied and logged, and the prompt sampler's
     # position before the next step, so a resumed run draws the same prompts as an uninterrupted one.
     done = {"step": start_step, "sampler": task.sampler.state()}
+    # trainer.checkpoint_background: checkpoints are written on a thread from a host copy; whatever
+    # writes or ends next waits for the write in flight first
+    writer = BackgroundWriter() if t.checkpoint_background else None
     try:
         for step in range(start_step, t.steps):
             train_one_step(step, settings, task, trainer, switch, logger, guard, done, par)
             if t.checkpoint_every and done["step"] % t.checkpoint_every == 0:
-                _checkpoint(par, checkpoint_dir, trainer, done, describe)
+                written = _wait_for_write(writer)
+                stall = _checkpoint(par, checkpoint_dir, trainer, done, describe, writer)
+                logger.add_to_next({**written, "checkpoint/stall_s": stall})
         if task.held_out is not None:
             final_evaluation(t.steps, settings, task, switch, logger, par)
         # The engine first: the checkpoint does not need it, and if writing fails none is left.
+        # In the background, the final checkpoint is written while the engine closes.
+        final, background = t.checkpoint_final, t.checkpoint_final and writer is not None
+        start = time.perf_counter()
+        if background:
+            _wait_for_write(writer)
+            _checkpoint(par, checkpoint_dir, trainer, done, describe, writer)
         log.info("all %d steps done: closing the engine%s", t.steps,
-                 ", then writing the final checkpoint" if t.checkpoint_final else "")
+                 ", then writing the final checkpoint" if final and not background else
+                 " while the final checkpoint is written" if background else "")
         if owns_generator:
-            start = time.perf_counter()
+            closing = time.perf_counter()
             generator.close()
-            log.info("engine closed (%.1f s)", time.perf_counter() - start)
-        if t.checkpoint_final:
-            start = time.perf_counter()
-            _checkpoint(par, checkpoint_dir, trainer, done, describe)
-            log.info("final checkpoint of step %d written to %s (%.1f s)", done["step"], checkpoint_dir,
-                     time.perf_counter() - start)
+            log.info("engine closed (%.1f s)", time.perf_counter() - closing)
+        if final:
+            if background:
+                _wait_for_write(writer)
+            else:
+                start = time.perf_counter()
+                _checkpoint(par, checkpoint_dir, trainer, done, describe)
+            log.info("final checkpoint of step %d written to %s (%.1f s%s)", done["step"], checkpoint_dir,
+                     time.perf_counter() - start, ", beside the engine's close" if background else "")
     except KeyboardInterrupt as exc:
         # The switch has put the engine to sleep and restored the trainer before this.
         guard.shutting_down(guard.kill_engine)
+        written = _written_step(writer)
         if par.mode == "fsdp":  # gathering shards needs every rank, and some may be gone
             log.error("interrupted after %d steps (%s); trainer.parallel=fsdp writes no "
                       "checkpoint on interruption", done["step"], exc)
         elif par.is_main:
-            path = _save(checkpoint_dir, trainer, done, describe)
+            if written != done["step"]:
+                _save(checkpoint_dir, trainer, done, describe)
             log.error("interrupted after %d steps (%s); checkpoint written to %s; resume with "
-                      "trainer.resume=%s", done["step"], exc, path, checkpoint_dir)
+                      "trainer.resume=%s", done["step"], exc, checkpoint_dir, checkpoint_dir)
         if owns_generator:
             generator.close()
         raise SystemExit(128 + getattr(exc, "signum", signal.SIGINT)) from exc
@@ -371,6 +388,7 @@ def _loop(settings: RunConfig, task: Task, trainer: GRPOTrainer, switch: Switch,
         guard.shutting_down(guard.kill_engine)
         if owns_generator and generator.process is not None:
             generator.process.close()  # the error itself is what the user needs to see
+        _written_step(writer)
         if par.is_main:
             _checkpoint_after_failure(exc, par, checkpoint_dir, trainer, done, start_step, describe,
                                       intact=not guard.update_failed, resumed_from=t.resume)
@@ -411,11 +429,11 @@ def _checkpoint_after_failure(exc: BaseException, par: Parallel, directory: Path
 
 
 def _save(directory: Path, trainer: GRPOTrainer, done: dict, describe: dict,
-          state: dict | None = None) -> Path:
+          state: dict | None = None, rng: dict | None = None) -> Path:
     """save_checkpoint, with a failed write (a full disk, a size limit, no permission) reported
     as what it is, naming the directory; the previous checkpoint there stays as it was."""
     try:
-        return save_checkpoint(directory, trainer, done, state=state, **describe)
+        return save_checkpoint(directory, trainer, done, state=state, rng=rng, **describe)
     except CheckpointError:
         raise
     except (OSError, RuntimeError) as exc:  # torch.save reports a failed write as a RuntimeError
@@ -435,11 +453,45 @@ def _save(directory: Path, trainer: GRPOTrainer, done: dict, describe: dict,
                               f"and resume from it with trainer.resume={directory}") from None
 
 
-def _checkpoint(par: Parallel, directory: Path, trainer: GRPOTrainer, done: dict, describe: dict) -> None:
-    """Rank 0 writes the checkpoint; under FSDP every rank first helps gather the full state."""
+def _checkpoint(par: Parallel, directory: Path, trainer: GRPOTrainer, done: dict, describe: dict,
+                writer: BackgroundWriter | None = None) -> float:
+    """Rank 0 writes the checkpoint; under FSDP every rank first helps gather the full state.
+    With a `writer` (nothing in flight), rank 0 takes a host copy and the writer writes it.
+    Returns the seconds the run waited."""
+    start = time.perf_counter()
     state = trainer.state_dict() if par.mode == "fsdp" else None
     if par.is_main:
-        _save(directory, trainer, done, describe, state=state)
+        if writer is None:
+            _save(directory, trainer, done, describe, state=state)
+        else:
+            snap = snapshot(trainer, done, state)
+            writer.submit(lambda: _save(directory, trainer, snap.extra, describe, state=snap.state,
+                                        rng=snap.rng), snap.step)
+    return time.perf_counter() - start
+
+
+def _wait_for_write(writer: BackgroundWriter | None) -> dict[str, float]:
+    """Waits for the background write in flight, if any; its seconds as a metric. A failed write
+    raises its CheckpointError here (the previous checkpoint is whole)."""
+    if writer is None or not writer.busy:
+        return {}
+    writer.wait()
+    step, seconds = writer.written
+    log.info("checkpoint of step %d written in the background (%.1f s)", step, seconds)
+    return {"checkpoint/write_s": seconds}
+
+
+def _written_step(writer: BackgroundWriter | None) -> int | None:
+    """After an interruption or a failure: waits for the write in flight; the step the checkpoint
+    directory holds if the writer wrote the latest one, None otherwise (a failed write is logged)."""
+    if writer is None:
+        return None
+    try:
+        _wait_for_write(writer)
+    except CheckpointError as exc:
+        log.error("%s", exc)
+        return None
+    return writer.written[0] if writer.written else None
 
 
 def prompt_seeds(sampling_seed: int | None, step: int, num_prompts: int, n: int) -> list[int] | None:

@@ -382,8 +382,12 @@ def test_a_second_signal_during_shutdown_exits_at_once_with_one_line(tmp_path):
 
 
 @pytest.mark.slow
-def test_sigterm_while_the_finished_run_closes_writes_the_final_checkpoint_and_exits_143(tmp_path):
-    proc = _cli("trainer.steps=3", *CLI_RUN, f"output_dir={tmp_path}")
+@pytest.mark.parametrize("background", [False, True], ids=["direct", "background"])
+def test_sigterm_while_the_finished_run_closes_writes_the_final_checkpoint_and_exits_143(tmp_path, background):
+    """With trainer.checkpoint_background the final checkpoint is being written while the engine
+    closes: the interruption waits for it (and does not write it twice)."""
+    proc = _cli("trainer.steps=3", *CLI_RUN, f"output_dir={tmp_path}",
+                f"trainer.checkpoint_background={str(background).lower()}")
     try:
         _read_until(proc, "all 3 steps done: closing the engine")
         proc.send_signal(signal.SIGTERM)
@@ -393,21 +397,24 @@ def test_sigterm_while_the_finished_run_closes_writes_the_final_checkpoint_and_e
     assert proc.returncode == 143, out[-3000:]
     assert "interrupted after 3 steps (SIGTERM); checkpoint written to" in out
     assert read_manifest(tmp_path / "checkpoint")["step"] == 3
+    assert ("checkpoint of step 3 written in the background" in out) == background
     assert "Traceback" not in out
     assert no_leftovers(proc.pid)
 
 
 @pytest.mark.slow
-def test_a_full_disk_at_the_final_checkpoint_is_named_and_the_previous_one_survives(tmp_path, engine):
+@pytest.mark.parametrize("background", [False, True], ids=["direct", "background"])
+def test_a_full_disk_at_the_final_checkpoint_is_named_and_the_previous_one_survives(tmp_path, engine, background):
     """A file-size limit (RLIMIT_FSIZE: what a full disk looks like to the writer) smaller than a
-    checkpoint: the engine is closed first, the error names the directory (no torch message),
-    the previous checkpoint is byte-identical and no partial file is left."""
+    checkpoint: the engine is closed first (or, trainer.checkpoint_background, while the thread
+    writes), the error names the directory (no torch message), the previous checkpoint is
+    byte-identical and no partial file is left."""
     train(compose_config(*small_run_overrides(tmp_path, "logger=none", "trainer.steps=1")), engine)
     checkpoint = tmp_path / "checkpoint"
     before = {p.name: p.read_bytes() for p in checkpoint.iterdir() if p.is_file()}
     proc = _cli("trainer.steps=3", "logger=none", "logger.progress=false", "sampling.n=4",
                 "trainer.prompts_per_step=4", "sampling.max_tokens=8", f"trainer.resume={checkpoint}",
-                f"output_dir={tmp_path}")
+                f"output_dir={tmp_path}", f"trainer.checkpoint_background={str(background).lower()}")
     try:
         # the trainer's own limit, set once its engine runs (the engine compiles into files)
         head = _read_until(proc, "engine up")
@@ -419,7 +426,8 @@ def test_a_full_disk_at_the_final_checkpoint_is_named_and_the_previous_one_survi
     finally:
         proc.kill()
     assert proc.returncode not in (0, 130, 143), out[-3000:]
-    closing = "all 3 steps done: closing the engine, then writing the final checkpoint"
+    closing = ("all 3 steps done: closing the engine while the final checkpoint is written" if background
+               else "all 3 steps done: closing the engine, then writing the final checkpoint")
     refused = f"could not write a checkpoint into {checkpoint}: File too large"
     assert closing in out and refused in out, out[-5000:]
     assert out.index(refused) > out.index(closing)

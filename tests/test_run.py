@@ -114,11 +114,21 @@ def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path, engine):
     args = ("logger=none", "trainer.steps=4")
     full = train(compose_config(*small_run_overrides(tmp_path / "full", *args)), engine).records
     train(compose_config(*small_run_overrides(tmp_path / "first", "logger=none", "trainer.steps=2")), engine)
-    resumed = train(compose_config(*small_run_overrides(
-        tmp_path / "resumed", *args, f"trainer.resume={tmp_path / 'first' / 'checkpoint'}")), engine).records
-    assert [r["train/step"] for r in resumed] == [2, 3]
-    for a, b in zip(full[2:], resumed):
-        assert {k: a[k] for k in keys} == {k: b[k] for k in keys}
+    # the same two steps with checkpoints written on a thread from host copies, one per step
+    background = train(compose_config(*small_run_overrides(
+        tmp_path / "background", "logger=none", "trainer.steps=2", "trainer.checkpoint_every=1",
+        "trainer.checkpoint_background=true")), engine).records
+    assert "checkpoint/stall_s" in background[1] and "checkpoint/stall_s" not in background[0]
+    for name in ("model.safetensors", "optimizer.safetensors"):
+        assert (tmp_path / "background" / "checkpoint" / name).read_bytes() == \
+            (tmp_path / "first" / "checkpoint" / name).read_bytes(), name
+    for first in ("first", "background"):
+        resumed = train(compose_config(*small_run_overrides(
+            tmp_path / f"resumed_{first}", *args, f"trainer.resume={tmp_path / first / 'checkpoint'}")),
+            engine).records
+        assert [r["train/step"] for r in resumed] == [2, 3]
+        for a, b in zip(full[2:], resumed):
+            assert {k: a[k] for k in keys} == {k: b[k] for k in keys}, first
 
 
 def _cli(*args: str, **kwargs) -> subprocess.Popen:

@@ -17,6 +17,9 @@ It is written into a temporary directory beside its final name and swapped in at
 (renameat2 RENAME_EXCHANGE), so a crash or a full disk mid-write leaves the previous checkpoint
 whole. Files the manifest lists are the checkpoint; a later kind (a LoRA adapter alone) lists
 others.
+
+`snapshot()` takes a host copy of everything a checkpoint holds (tensors, RNG states, `extra`) so
+that `BackgroundWriter` can write it on a thread while training goes on and changes the originals.
 """
 
 from __future__ import annotations
@@ -31,6 +34,9 @@ import random
 import re
 import shutil
 import tempfile
+import threading
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -73,10 +79,12 @@ class CheckpointError(ConfigError):
 
 
 def save_checkpoint(directory: str | Path, trainer: GRPOTrainer, extra: dict, state: dict | None = None,
-                    *, config: dict | None = None, model_dir: str | Path | None = None) -> Path:
+                    *, config: dict | None = None, model_dir: str | Path | None = None,
+                    rng: dict | None = None) -> Path:
     """Write the checkpoint directory `directory` atomically; returns it.
 
-    `state`: the trainer state when the caller gathered it already (FSDP: every rank must).
+    `state`: the trainer state when the caller gathered it already (FSDP: every rank must), or a
+    `snapshot()`'s. `rng`: the RNG states to record (a snapshot's); None: the current ones.
     `config`: the run's resolved config (plain containers), compared on resume.
     `model_dir`: the model's Hugging Face directory; its config and tokenizer files are kept.
     """
@@ -95,7 +103,7 @@ def save_checkpoint(directory: str | Path, trainer: GRPOTrainer, extra: dict, st
         if "reference" in state:
             aliases["reference"] = _save_tensors(tmp / "reference.safetensors", state["reference"])
         _torch_save(tmp / STATE, {"step_count": state["step_count"], "optimizer": skeleton,
-                                  "rng": _rng_states(), "extra": extra})
+                                  "rng": rng if rng is not None else _rng_states(), "extra": extra})
         if config is not None:
             from omegaconf import OmegaConf
 
@@ -425,6 +433,87 @@ def _check_shapes(directory: Path, saved: dict[str, torch.Tensor], current: dict
         raise CheckpointError(f"trainer.resume={directory}: model.safetensors does not fit this model "
                               f"({'; '.join(parts)}). Resume with the model.* settings the checkpoint "
                               "was trained with (its config.yaml)")
+
+
+# -- background writes ---------------------------------------------------------------------------
+
+
+@dataclass
+class Snapshot:
+    """What one checkpoint holds, copied to host memory at one moment of the run."""
+
+    state: dict  # trainer.state_dict()'s structure, every tensor a host copy
+    rng: dict
+    extra: dict
+    step: int
+    seconds: float  # the copy's time: what the run waited for
+
+
+def snapshot(trainer: GRPOTrainer, extra: dict, state: dict | None = None) -> Snapshot:
+    """A host copy of the trainer's state, the RNG states and `extra`, isolated from the updates
+    that follow. Tensors that share memory (tied weights) stay shared in the copy, so the file
+    written from it is the one a direct save writes."""
+    start = time.perf_counter()
+    state = state if state is not None else trainer.state_dict()
+    copies: dict[tuple, torch.Tensor] = {}
+
+    def copy(obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            key = (obj.device, obj.data_ptr(), obj.dtype, tuple(obj.shape), tuple(obj.stride()))
+            if key not in copies:
+                copies[key] = obj.detach().to("cpu", copy=True)
+            return copies[key]
+        if isinstance(obj, dict):
+            return {k: copy(v) for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(copy(v) for v in obj)
+        return obj
+
+    host = copy(state)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    rng = _rng_states()
+    extra = pickle.loads(pickle.dumps(extra))  # the sampler's state and step, as they are now
+    return Snapshot(host, rng, extra, int(extra.get("step", -1)), time.perf_counter() - start)
+
+
+class BackgroundWriter:
+    """Writes one checkpoint at a time on a thread. `submit` first waits for the write in flight,
+    so a run holds at most one host copy besides the one being taken; `wait` returns when nothing
+    is in flight and raises what a failed write raised (once)."""
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.written: tuple[int, float] | None = None  # (step, seconds) of the last write that ended
+
+    @property
+    def busy(self) -> bool:
+        return self._thread is not None
+
+    def submit(self, write, step: int) -> None:
+        """Run `write()` (which writes the checkpoint of `step`) on the writer's thread."""
+        self.wait()
+
+        def run() -> None:
+            start = time.perf_counter()
+            try:
+                write()
+            except BaseException as exc:  # handed to whoever waits next
+                self._error = exc
+            else:
+                self.written = (step, time.perf_counter() - start)
+
+        self._thread = threading.Thread(target=run, name="colo_rl-checkpoint", daemon=False)
+        self._thread.start()
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
 
 
 # -- RNG states ---------------------------------------------------------------------------------

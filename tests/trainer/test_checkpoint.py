@@ -225,3 +225,62 @@ def test_tensors_that_do_not_fit_the_model_are_named(model_dir, tmp_path):
     with pytest.raises(CheckpointError, match=r"shapes differ: model.embed_tokens.weight \[64, 128\] "
                                               r"\(this model: \[64, 256\]\)"):
         load_checkpoint(path, other)
+
+
+def test_a_background_write_holds_the_state_of_its_snapshot_not_of_later_steps(model_dir, tmp_path):
+    """trainer.checkpoint_background: the snapshot is the checkpoint, whatever the run does while it
+    is written; the files are those a direct save of that moment writes (tied weights included)."""
+    from colo_rl.trainer.checkpoint import BackgroundWriter, snapshot
+
+    trainer = make_trainer(model_dir, kl_coef=0.1)
+    trainer.model.lm_head.weight = trainer.model.model.embed_tokens.weight
+    trainer.optimizer = torch.optim.AdamW(trainer.model.parameters(), lr=1e-3)
+    step(trainer, FIRST)
+    sampler = random.Random(3)
+    extra = {"step": 1, "sampler": sampler.getstate()}
+    save_checkpoint(tmp_path / "direct", trainer, extra)
+    snap = snapshot(trainer, extra)
+    draws = (torch.rand(3), random.random(), np.random.rand())  # the RNGs move on after the snapshot
+    extra["step"] = 2  # and so does the runner's record
+    sampler.random()
+    extra["sampler"] = sampler.getstate()
+    step(trainer, SECOND)  # updates every tensor in place before (and while) the thread writes
+    writer = BackgroundWriter()
+    writer.submit(lambda: save_checkpoint(tmp_path / "background", trainer, snap.extra, state=snap.state,
+                                          rng=snap.rng), snap.step)
+    writer.wait()
+    assert not writer.busy and writer.written[0] == 1 and writer.written[1] > 0
+    for name in ("model.safetensors", "optimizer.safetensors", "reference.safetensors"):
+        assert (tmp_path / "background" / name).read_bytes() == (tmp_path / "direct" / name).read_bytes(), name
+    assert read_manifest(tmp_path / "background")["aliases"] == read_manifest(tmp_path / "direct")["aliases"]
+    resumed = make_trainer(model_dir, kl_coef=0.1)
+    resumed.model.lm_head.weight = resumed.model.model.embed_tokens.weight
+    resumed.optimizer = torch.optim.AdamW(resumed.model.parameters(), lr=1e-3)
+    assert load_checkpoint(tmp_path / "background", resumed)["step"] == 1
+    again = (torch.rand(3), random.random(), np.random.rand())  # the snapshot's RNG states came back
+    assert torch.equal(draws[0], again[0]) and draws[1:] == again[1:]
+    direct = make_trainer(model_dir, kl_coef=0.1)
+    direct.model.lm_head.weight = direct.model.model.embed_tokens.weight
+    direct.optimizer = torch.optim.AdamW(direct.model.parameters(), lr=1e-3)
+    load_checkpoint(tmp_path / "direct", direct)
+    for (name, a), b in zip(direct.model.named_parameters(), resumed.model.parameters()):
+        assert torch.equal(a, b), name
+
+
+def test_a_failed_background_write_is_raised_by_the_next_wait_and_leaves_the_previous_checkpoint(model_dir, tmp_path):
+    from colo_rl.trainer.checkpoint import BackgroundWriter, snapshot
+
+    trainer = make_trainer(model_dir)
+    path = save_checkpoint(tmp_path / "ckpt", trainer, {"step": 0})
+    good = {p.name: p.read_bytes() for p in path.iterdir()}
+    step(trainer, FIRST)
+    snap = snapshot(trainer, {"step": 1})
+    writer = BackgroundWriter()
+    (tmp_path / "blocker").write_text("")  # a file where the checkpoint's parent directory should be
+    writer.submit(lambda: save_checkpoint(tmp_path / "blocker" / "ckpt", trainer, snap.extra, state=snap.state,
+                                          rng=snap.rng), snap.step)
+    with pytest.raises(OSError):
+        writer.wait()
+    writer.wait()  # raised once; nothing in flight now
+    assert writer.written is None
+    assert {p.name: p.read_bytes() for p in path.iterdir()} == good
