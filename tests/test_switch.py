@@ -25,7 +25,7 @@ from colo_rl.trainer import Offloader
 
 from .conftest import ROOT
 from .generator.test_generator import GREEDY, PROMPTS, hf_greedy
-from .test_faults import assert_same, snapshot
+from .test_faults import assert_same, snapshot, trainer_state  # noqa: F401  (a fixture)
 
 
 def test_the_engine_client_does_not_import_the_trainer():
@@ -134,16 +134,6 @@ def test_the_evaluation_is_generated_in_the_rollouts_wake(engine, tiny_policy):
     assert order == ["timing/generate_s", "timing/eval_s", "timing/sleep_s"]
     assert m["sync/tensors"] == len(list(tiny_policy.parameters()))
     assert m["rollout/tokens"] == sum(map(len, both.completion_ids))  # the rollouts', not the eval's
-
-
-@pytest.fixture()
-def trainer_state(tiny_policy):
-    """A policy and an AdamW with state (one real update), behind an Offloader of everything."""
-    optimizer = torch.optim.AdamW(tiny_policy.parameters(), lr=1e-3)
-    tiny_policy(torch.tensor([PROMPTS[0]])).logits.sum().backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    return tiny_policy, optimizer, Offloader(tiny_policy, optimizer, "all")
 
 
 @pytest.mark.slow
