@@ -100,6 +100,10 @@ class SamplingConfig:
     max_tokens: int = 16
     stop: list[str] = field(default_factory=list)
     seed: Optional[int] = 0  # per-step seeds derive from it; null: unseeded sampling
+    # batch: the engine's sampler is seeded once per step (one batched draw: the engine's full
+    # speed; a prompt's samples depend on the batch it is in). prompt: every prompt seeded on its
+    # own (vLLM then draws each request's noise separately, a kernel per request per token)
+    seed_scope: str = "batch"
     logprobs: bool = True  # ask the engine for sampled-token log-probs (weight-sync health)
     # ask for them on steps 0, K, 2K... only (they cost the engine ~40 % of its tokens/s on the
     # H200); null: every step with trainer.tis_cap (its weights need them), else every 10th
@@ -112,6 +116,7 @@ class SamplingConfig:
         _check(0 < self.top_p <= 1, "sampling.top_p", self.top_p, "must be in (0, 1]")
         _check(self.top_k == -1 or self.top_k >= 1, "sampling.top_k", self.top_k, "must be -1 or >= 1")
         _check(self.max_tokens >= 1, "sampling.max_tokens", self.max_tokens, "must be >= 1")
+        _one_of("sampling.seed_scope", self.seed_scope, ("batch", "prompt"))
         _check(self.logprobs_every is None or self.logprobs_every >= 1, "sampling.logprobs_every",
                self.logprobs_every, "must be null (auto) or >= 1")
         if self.temperature == 0:

@@ -494,6 +494,17 @@ def _written_step(writer: BackgroundWriter | None) -> int | None:
     return writer.written[0] if writer.written else None
 
 
+def step_seed(s: SamplingConfig, step: int, num_prompts: int, shard: slice, rank: int) -> int | list[int] | None:
+    """The seed of this rank's generate call at `step`: under sampling.seed_scope=batch one int
+    (the engine's sampler is seeded with it before the call; ranks differ), under prompt one per
+    prompt of the shard (prompt_seeds); None for unseeded sampling."""
+    if s.seed is None:
+        return None
+    if s.seed_scope == "prompt":
+        return prompt_seeds(s.seed, step, num_prompts, s.n)[shard]
+    return ((s.seed + step) * 1_000_003 + rank) % 2**31
+
+
 def prompt_seeds(sampling_seed: int | None, step: int, num_prompts: int, n: int) -> list[int] | None:
     """One sampling seed per prompt of the global batch (vLLM gives completion j seed + j), so
     what a prompt samples depends on the step and its index, not on the batch it shares."""
@@ -590,9 +601,8 @@ def train_one_step(step: int, settings: RunConfig, task: Task, trainer: GRPOTrai
     timer = StepTimer()
     step_start = time.perf_counter()
     global_batch = task.next_batch(settings.trainer.prompts_per_step)
-    seeds = prompt_seeds(s.seed, step, len(global_batch), s.n)
     shard = par.shard(global_batch.prompts)
-    batch, seed = global_batch.slice(shard), seeds[shard] if seeds is not None else None
+    batch, seed = global_batch.slice(shard), step_seed(s, step, len(global_batch), shard, par.rank)
     evaluating = task.held_out is not None and step % e.every == 0
     eval_batch = _eval_shard(task, par) if evaluating else None
     logger.phase("generate")

@@ -116,11 +116,25 @@ def test_engine_logprobs_are_asked_for_every_kth_step_and_every_step_under_tis()
         validate(compose_config("sampling.logprobs_every=0"))
 
 
+def test_a_step_is_seeded_once_per_rank_or_once_per_prompt_by_seed_scope():
+    from colo_rl.run import prompt_seeds, step_seed
+
+    s = validate(compose_config("sampling.n=4")).sampling
+    assert s.seed_scope == "batch"  # the default: one seed per step and rank, the engine's full speed
+    seeds = {step_seed(s, step, 8, slice(0, 4), rank) for step in range(5) for rank in range(2)}
+    assert len(seeds) == 10 and all(isinstance(x, int) and 0 <= x < 2**31 for x in seeds)
+    assert step_seed(s, 3, 8, slice(0, 4), 0) == step_seed(s, 3, 8, slice(4, 8), 0)  # a step repeats
+    p = validate(compose_config("sampling.n=4", "sampling.seed_scope=prompt")).sampling
+    assert step_seed(p, 3, 8, slice(4, 8), 1) == prompt_seeds(0, 3, 8, 4)[4:8]
+    assert step_seed(validate(compose_config("sampling.seed=null")).sampling, 3, 8, slice(0, 8), 0) is None
+
+
 @pytest.mark.parametrize("override,key", [
     ("generator.gpu_memory_utilization=1.3", "generator.gpu_memory_utilization=1.3 must be in"),
     ("generator.weight_sync=nccl", "generator.weight_sync"),
     ("trainer.lr=-1", "trainer.lr"),
     ("sampling.top_p=0", "sampling.top_p"),
+    ("sampling.seed_scope=request", "sampling.seed_scope='request' must be one of batch, prompt"),
     ("sampling.max_tokens=300", "sampling.max_tokens=300 must be below generator.max_model_len"),
     ("trainer.offload=everything", "trainer.offload"),
     ("task.toy.target=ab", "task.toy.target"),

@@ -127,6 +127,11 @@ class WeightSyncExtension:
                                f"{mismatched[:5]} ({len(mismatched)} tensors)")
         return {"map_s": map_s, "load_s": load_s, "tensors": len(entries), "readback_checked": checked}
 
+    def colo_rl_reseed(self, seed: int) -> None:
+        """Seeds the generators vLLM's sampler draws unseeded requests' noise from (torch's
+        default ones, CPU and every GPU), so that a batch's samples repeat for the same seed."""
+        torch.manual_seed(seed)
+
     def colo_rl_memory(self, empty_cache: bool = False) -> dict:
         """This engine process's GPU memory by owner, in GiB, raw: torch's caching allocator
         (reserved and allocated, its private pools included: CUDA graphs, and vLLM's sleep-mode

