@@ -27,7 +27,8 @@ from .conftest import ROOT, compose_config, small_run_overrides
 STEPS = 2
 # 16 tokens without EOS: the seeded random policy then earns some reward in both steps (with 8
 # tokens every reward of both steps is 0, every advantage too, and nothing would train)
-OVERRIDES = [f"trainer.steps={STEPS}", "trainer.prompts_per_step=4", "sampling.n=4",
+# per-prompt seeds: what a prompt samples does not depend on the rank it lands on
+OVERRIDES = [f"trainer.steps={STEPS}", "trainer.prompts_per_step=4", "sampling.n=4", "sampling.seed_scope=prompt",
              "sampling.max_tokens=16", "sampling.ignore_eos=true", "logger=none", "logger.progress=false", "eval.every=0"]
 
 
