@@ -464,7 +464,8 @@ def _checkpoint(par: Parallel, directory: Path, trainer: GRPOTrainer, done: dict
         if writer is None:
             _save(directory, trainer, done, describe, state=state)
         else:
-            snap = snapshot(trainer, done, state)
+            writer.wait()  # the host buffers the snapshot reuses hold the write in flight, if any
+            snap = snapshot(trainer, done, state, buffers=writer.buffers)
             writer.submit(lambda: _save(directory, trainer, snap.extra, describe, state=snap.state,
                                         rng=snap.rng), snap.step)
     return time.perf_counter() - start

@@ -271,3 +271,18 @@ def test_the_default_plan_keeps_a_small_trainer_on_the_gpu_and_predicts_free_mem
     measured = min(r["memory/free_after_wake_kv_gib"] for r in records)
     assert abs(measured - first["memory/free_after_wake_kv_predicted_gib"]) < 0.05 * total_gib
     assert engine_processes() == before
+
+
+def test_background_checkpoint_snapshots_copy_into_reused_pinned_buffers():
+    from colo_rl.trainer.checkpoint import HostBuffers, snapshot
+
+    state = {"model": {"w": torch.randn(1024, 1024, device="cuda"), "b": torch.randn(1024, device="cuda")},
+             "optimizer": {"state": {0: {"exp_avg": torch.randn(1024, 1024, device="cuda")}}}}
+    buffers = HostBuffers()
+    first = snapshot(None, {"step": 1}, state=state, buffers=buffers)
+    assert all(t.is_pinned() for t in [*first.state["model"].values(), first.state["optimizer"]["state"][0]["exp_avg"]])
+    pointer = first.state["model"]["w"].data_ptr()
+    state["model"]["w"].add_(1.0)
+    second = snapshot(None, {"step": 2}, state=state, buffers=buffers)
+    assert second.state["model"]["w"].data_ptr() == pointer  # reused, not allocated again
+    assert torch.equal(second.state["model"]["w"], state["model"]["w"].cpu())
