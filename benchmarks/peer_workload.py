@@ -75,6 +75,12 @@ def run_arm(name: str, workload: list[str], overrides: list[str], run_dir: Path,
     first_record_s = None  # command to the first step's record (its end), polled every 50 ms
     with open(run_dir.with_suffix(".log"), "w+") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+        def stop(signum, frame):  # the run is in a session of its own: a SIGTERM here must reach it
+            os.killpg(proc.pid, signal.SIGTERM)  # it checkpoints and stops its engine
+            raise SystemExit(128 + signum)
+
+        previous = signal.signal(signal.SIGTERM, stop)
         code = None
         while code is None:
             if first_record_s is None and metrics.exists() and metrics.stat().st_size > 0:
@@ -90,6 +96,7 @@ def run_arm(name: str, workload: list[str], overrides: list[str], run_dir: Path,
                 break
             time.sleep(0.05)
             code = proc.poll()
+        signal.signal(signal.SIGTERM, previous)
         log.seek(0)
         tail = log.read()[-3000:]
     wall_s = time.perf_counter() - start
