@@ -338,18 +338,24 @@ def _loop(settings: RunConfig, task: Task, trainer: GRPOTrainer, switch: Switch,
     # trainer.checkpoint_background: checkpoints are written on a thread from a host copy; whatever
     # writes or ends next waits for the write in flight first
     writer = BackgroundWriter() if t.checkpoint_background else None
+    checkpointed = None  # the step of the last periodic checkpoint
     try:
         for step in range(start_step, t.steps):
             train_one_step(step, settings, task, trainer, switch, logger, guard, done, par)
             if t.checkpoint_every and done["step"] % t.checkpoint_every == 0:
                 written = _wait_for_write(writer)
                 stall = _checkpoint(par, checkpoint_dir, trainer, done, describe, writer)
+                checkpointed = done["step"]
                 logger.add_to_next({**written, "checkpoint/stall_s": stall})
         if task.held_out is not None:
             final_evaluation(t.steps, settings, task, switch, logger, par)
         # The engine first: the checkpoint does not need it, and if writing fails none is left.
-        # In the background, the final checkpoint is written while the engine closes.
-        final, background = t.checkpoint_final, t.checkpoint_final and writer is not None
+        # In the background, the final checkpoint is written while the engine closes. A periodic
+        # checkpoint of the last step is the final one: it is not written twice.
+        final = t.checkpoint_final and checkpointed != done["step"]
+        background = final and writer is not None
+        if t.checkpoint_final and not final:
+            log.info("the checkpoint of step %d (trainer.checkpoint_every) is the final one", done["step"])
         start = time.perf_counter()
         if background:
             _wait_for_write(writer)
@@ -361,7 +367,9 @@ def _loop(settings: RunConfig, task: Task, trainer: GRPOTrainer, switch: Switch,
             closing = time.perf_counter()
             generator.close()
             log.info("engine closed (%.1f s)", time.perf_counter() - closing)
-        if final:
+        if not final:
+            _wait_for_write(writer)  # a periodic write may still be in flight
+        else:
             if background:
                 _wait_for_write(writer)
             else:

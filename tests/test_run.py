@@ -4,6 +4,7 @@ real subprocesses and signals."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -109,16 +110,20 @@ def test_grpo_visibly_improves_the_reward_of_the_default_run(tmp_path, engine):
 
 
 @pytest.mark.slow
-def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path, engine):
+def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path, engine, caplog):
     keys = ["reward/mean", "train/loss", "train/grad_norm", "rollout/tokens"]
     args = ("logger=none", "trainer.steps=4")
     full = train(compose_config(*small_run_overrides(tmp_path / "full", *args)), engine).records
     train(compose_config(*small_run_overrides(tmp_path / "first", "logger=none", "trainer.steps=2")), engine)
     # the same two steps with checkpoints written on a thread from host copies, one per step
-    background = train(compose_config(*small_run_overrides(
-        tmp_path / "background", "logger=none", "trainer.steps=2", "trainer.checkpoint_every=1",
-        "trainer.checkpoint_background=true")), engine).records
+    with caplog.at_level(logging.INFO, logger="colo_rl"):
+        background = train(compose_config(*small_run_overrides(
+            tmp_path / "background", "logger=none", "trainer.steps=2", "trainer.checkpoint_every=1",
+            "trainer.checkpoint_background=true")), engine).records
     assert "checkpoint/stall_s" in background[1] and "checkpoint/stall_s" not in background[0]
+    # step 2's periodic checkpoint is the final one: not written a second time
+    assert "the checkpoint of step 2 (trainer.checkpoint_every) is the final one" in caplog.text
+    assert "final checkpoint of step 2" not in caplog.text
     for name in ("model.safetensors", "optimizer.safetensors"):
         assert (tmp_path / "background" / "checkpoint" / name).read_bytes() == \
             (tmp_path / "first" / "checkpoint" / name).read_bytes(), name
