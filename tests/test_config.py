@@ -188,7 +188,7 @@ def test_greedy_sampling_is_one_completion_at_temperature_zero():
 
 def test_composed_config_resolves_to_plain_containers_for_wandb():
     container = OmegaConf.to_container(compose_config(), resolve=True)
-    assert container["generator"]["gpu_memory_utilization"] == 0.5
+    assert container["generator"]["gpu_memory_utilization"] == "auto"
     assert container["model"]["name"] == "tiny"
 
 

@@ -14,7 +14,8 @@ from .conftest import compose_config
 H200 = 143771 * 2**20  # torch.cuda.mem_get_info's total on the lent H200
 # benchmarks/peer_workload.py's workload: 128-token prompts + 256 new tokens, micro-batch 16
 PEER = ["model=olmo2_1b_shape", "trainer.logprob_chunk=0", "trainer.prompts_per_step=32", "sampling.n=8", "sampling.max_tokens=256",
-        "trainer.micro_batch_size=16", "generator.max_model_len=512", "task.max_prompt_tokens=128"]
+        "trainer.micro_batch_size=16", "generator.max_model_len=512", "task.max_prompt_tokens=128",
+        "generator.gpu_memory_utilization=0.5"]
 
 
 def built_numel(config) -> int:
@@ -159,6 +160,20 @@ def test_offload_auto_keeps_on_the_gpu_what_fits_beside_the_awake_engine():
     table = plan_memory(settings, shape, 384, (138 * GIB, H200)).table()
     assert "trainer.offload -> none" in table and "activations (16 x 384 tokens)" in table
     assert "optimizer state (adamw)" in table and "engine asleep" in table
+
+
+def test_by_default_the_engine_gets_the_kv_cache_of_one_step_not_half_the_card():
+    # the peer run on the H200 (RESULTS.md, 2026-12-06) woke and slept a 67 GiB KV cache every step
+    # (0.16 s of its 0.40 s switch) for 256 sequences of at most 512 tokens: 16 GiB
+    settings = validate(compose_config(*[o for o in PEER if "gpu_memory_utilization" not in o]))
+    assert settings.generator.gpu_memory_utilization == "auto"
+    _, shape = one_b()
+    plan = plan_memory(settings, shape, 384, (138 * GIB, H200))
+    kv = next(c for c in plan.components if c.name == "engine KV cache").bytes
+    need = 256 * 512 * 128 * 2**10  # (the budget is rounded down to vLLM's 0.001 steps)
+    assert 0.99 * need <= kv < 1.1 * need
+    assert plan.gpu_memory_utilization < 0.2 and plan.offload == "none"
+    assert plan_memory(settings, shape, 384, None).gpu_memory_utilization == 0.5  # a CPU run: as before
 
 
 def test_auto_kv_budget_shrinks_with_the_free_memory_and_offload_grows():
