@@ -276,8 +276,11 @@ def _train(cfg: DictConfig, settings: RunConfig, generator: VLLMGenerator | None
             if owns_generator:
                 generator.abandon_start()  # the error itself is what the user needs to see
             raise
-        logger = MetricsLogger(settings.logger, output_dir=output_dir,
-                               config=OmegaConf.to_container(cfg, resolve=True), group=group,
+        # the W&B config shows what ran: the plan's choices where the config said auto
+        config = OmegaConf.to_container(cfg, resolve=True)
+        config["trainer"]["offload"] = settings.trainer.offload
+        config["generator"]["gpu_memory_utilization"] = settings.generator.gpu_memory_utilization
+        logger = MetricsLogger(settings.logger, output_dir=output_dir, config=config, group=group,
                                name=name, total_steps=t.steps, initial_step=start_step,
                                enabled=par.is_main)
         with logger:
