@@ -9,7 +9,7 @@ GPU into an engine-dtype copy and loaded like a full push (`timing/weight_load_s
 the engine then generates at its plain speed. The alternative is vLLM's `enable_lora`: each step
 the trainer writes the adapter (PEFT format, a few MB) and the engine loads it as a new
 LoRARequest, then generates through its LoRA kernels on every adapted layer. This script measures
-the second on one engine (`enable_lora=True`, dummy base weights): per round it writes a new
+the second on one engine (`enable_lora=True`, seeded random base weights): per round it writes a new
 adapter (seeded random A and B, rank --rank on every decoder linear), generates with it (its first
 use: vLLM loads it), generates with it again (loaded), and generates with no adapter (the base: the
 speed merged weights get). The prompts and sampling are the peer workload's (32 distinct prompts of
@@ -74,7 +74,7 @@ def write_adapter(directory: Path, model_dir: Path, shapes: dict, rank: int, see
     tensors = {}
     for name, (fan_in, fan_out) in shapes.items():
         tensors[f"base_model.model.{name}.lora_A.weight"] = (torch.randn(rank, fan_in, generator=g) / fan_in ** 0.5).bfloat16()
-        tensors[f"base_model.model.{name}.lora_B.weight"] = (torch.randn(fan_out, rank, generator=g) * 1e-3).bfloat16()
+        tensors[f"base_model.model.{name}.lora_B.weight"] = (torch.randn(fan_out, rank, generator=g) * 0.02).bfloat16()
     directory.mkdir(parents=True, exist_ok=True)
     peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(LINEARS), task_type="CAUSAL_LM",
                     base_model_name_or_path=str(model_dir)).save_pretrained(str(directory))
@@ -86,14 +86,15 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
 
-    from peer_trl import model_config
-    from colo_rl.models import write_embedded_model
+    from peer_trl import build_model, model_config
 
     cuda = torch.cuda.is_available()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="colo_rl_lora_adapters_"))  # the model files and adapters
     cfg = model_config(args.model)
-    model_dir = write_embedded_model(cfg, work / "model")
+    # seeded random weights, saved (vLLM's dummy weights give every token the same logit, so no
+    # adapter could change an output: the check below needs real ones)
+    model_dir = build_model(args.model, work / "model", cfg.dtype)
     shapes = adapter_shapes(model_dir)
     rng = random.Random(0)
     prompts = [[rng.randrange(3, cfg.embedded.vocab_size) for _ in range(args.prompt_len)]
@@ -105,7 +106,7 @@ def main(argv=None) -> int:
     from vllm.inputs import TokensPrompt
     from vllm.lora.request import LoRARequest
 
-    llm = LLM(model=str(model_dir), tokenizer=str(model_dir), load_format="dummy", dtype=cfg.dtype,
+    llm = LLM(model=str(model_dir), tokenizer=str(model_dir), dtype=cfg.dtype,
               max_model_len=args.prompt_len + args.max_tokens + 8, max_num_seqs=256, seed=0,
               enforce_eager=not cuda, enable_lora=True, max_lora_rank=args.rank, max_loras=1, max_cpu_loras=2,
               **({"gpu_memory_utilization": args.gpu_memory_utilization} if cuda else {}))
@@ -120,6 +121,15 @@ def main(argv=None) -> int:
         return time.perf_counter() - t0, sum(len(o.token_ids) for r in outputs for o in r.outputs)
 
     generate()  # warm-up (the sampler's kernels)
+    # that vLLM applies the adapter at all: greedy tokens with and without it differ
+    check = work / "adapter_check"
+    write_adapter(check, model_dir, shapes, args.rank, seed=1000)
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    base_tokens = [o.outputs[0].token_ids for o in llm.generate(token_prompts[:4], greedy, use_tqdm=False)]
+    adapted = [o.outputs[0].token_ids for o in llm.generate(token_prompts[:4], greedy, use_tqdm=False,
+                                                             lora_request=LoRARequest("check", 10_000, str(check)))]
+    applied = base_tokens != adapted
+    print(f"[lora_adapters] the adapter changes greedy tokens: {applied}", flush=True)
     rounds = []
     for i in range(args.rounds):
         directory = work / f"adapter_{i}"
@@ -138,7 +148,7 @@ def main(argv=None) -> int:
     tokens = steady[0]["tokens"]
     result = {"vllm_version": vllm.__version__, "torch": torch.__version__,
               "device": torch.cuda.get_device_name() if cuda else "cpu", "args": {k: str(v) for k, v in vars(args).items()},
-              "adapted_linears": len(shapes),
+              "adapted_linears": len(shapes), "adapter_changes_greedy_tokens": applied,
               "adapter_parameters": sum(args.rank * (a + b) for a, b in shapes.values()),
               "engine_start_s": start_s, "rounds": rounds, "median_rounds_2_on": med,
               "adapter_step_s": med["write_s"] + med["first_generate_s"],
