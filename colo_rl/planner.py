@@ -157,6 +157,9 @@ class Plan:
     margin_gib: float = 0.0
     predicted: dict[str, float] = field(default_factory=dict)  # memory/<key>_predicted_gib
     notes: list[str] = field(default_factory=list)
+    # what must be free on the device for the engine to wake (its budget, what it holds beyond it,
+    # the least margin): the Offloader keeps torch's cache when at least this much is free
+    engine_wake_bytes: float = 0.0
 
     def table(self) -> str:
         rows = [("component", "GiB", "engine awake", "training")]
@@ -356,11 +359,18 @@ def plan_memory(settings: RunConfig, shape: Shape, seq_len: int,
         util = int(util * 1000) / 1000  # vLLM's budget: round down
     kv = util * total - engine_fixed
     resident = s.awake_resident(chosen)
+    wake = util * total + beyond + MARGIN_MIN_GIB * GIB
+    # After a train step torch's allocator holds about the step's peak; where the engine can wake
+    # beside that too, the Offloader keeps it (Offloader.keep_cache_if_free) and so does the plan.
+    cached = s.trainer_peak() * (1 + RESIDENT_SLACK_FRACTION)
+    if free - TRAINER_CONTEXT_GIB * GIB - cached - asleep >= wake:
+        resident = max(resident, cached)
     components.append(Component("engine KV cache", kv, "GPU", "-"))
     components.append(Component("engine beyond its budget (awake)", beyond, "GPU", "-"))
     slack = resident - s.awake_resident(chosen) / (1 + RESIDENT_SLACK_FRACTION)
     if slack:
-        components.append(Component("trainer allocator slack", slack, "GPU", "-"))
+        components.append(Component("trainer allocator slack" if resident == s.awake_resident(chosen) else
+                                    "trainer allocator cache (kept: the engine wakes beside it)", slack, "GPU", "-"))
     components.append(Component("engine asleep (CUDA graphs, context)", asleep, "GPU", "GPU"))
     _place(components, chosen)
     predicted = {
@@ -374,7 +384,7 @@ def plan_memory(settings: RunConfig, shape: Shape, seq_len: int,
         notes.append(f"offload=auto: {chosen} is the least offload with the awake engine's "
                      f"{util * total / GIB:.1f} GiB, the trainer's {resident / GIB:.1f} GiB and the margin on the device")
     return Plan(chosen, util, components, total_gib=total / GIB, free_gib=free / GIB, margin_gib=margin / GIB,
-                predicted=predicted, notes=notes)
+                predicted=predicted, notes=notes, engine_wake_bytes=wake)
 
 
 def free_awake(free: float, total: float, resident: float, util: float) -> float:

@@ -286,3 +286,18 @@ def test_background_checkpoint_snapshots_copy_into_reused_pinned_buffers():
     second = snapshot(None, {"step": 2}, state=state, buffers=buffers)
     assert second.state["model"]["w"].data_ptr() == pointer  # reused, not allocated again
     assert torch.equal(second.state["model"]["w"], state["model"]["w"].cpu())
+
+
+def test_the_offloader_keeps_torchs_cache_only_where_the_engine_can_wake_beside_it():
+    model = torch.nn.Linear(1024, 1024, device="cuda")
+    optimizer = torch.optim.AdamW(model.parameters())
+    offloader = Offloader(model, optimizer, "none")
+    scratch = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")  # activations, freed into the cache
+    del scratch
+    cached = torch.cuda.memory_reserved()
+    offloader.keep_cache_if_free = 2**20  # the engine needs 1 MiB: the cache stays
+    offloader.offload()
+    assert torch.cuda.memory_reserved() == cached
+    offloader.keep_cache_if_free = 2**50  # more than the card: emptied
+    offloader.offload()
+    assert torch.cuda.memory_reserved() < cached - 200 * 2**20
