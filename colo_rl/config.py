@@ -131,7 +131,9 @@ class GeneratorConfig:
     python: str = ""  # interpreter of the engine's environment; "" means this one
     device: str = "auto"  # auto | cuda | cpu
     # fraction of the GPU the engine may take while awake; auto: the start-up memory plan
-    # (colo_rl.planner) gives it the KV cache of every sequence of a step, or what is left
+    # (colo_rl.planner) gives it the KV cache of every sequence of a step, or what is left. A run's
+    # default is auto (conf/generator/default.yaml); this class's 0.5 is for code that builds a
+    # GeneratorConfig itself and starts an engine without a plan (benchmarks, tests)
     gpu_memory_utilization: Any = 0.5
     staging_dir: str = "auto"  # weight files for weight_sync=file; auto: /dev/shm when present
     max_model_len: int = 256
