@@ -186,6 +186,15 @@ def run_child(arm: str, w: dict, out: Path) -> None:
                      "transformers": transformers.__version__}}, indent=1))
 
 
+def run_process(cmd: list[str], timeout_s: float) -> tuple[int | str, str]:
+    """(exit code or "timeout", the end of its output) of one arm's process."""
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, timeout=timeout_s, capture_output=True, text=True)
+        return proc.returncode, (proc.stdout + proc.stderr)[-4000:]
+    except subprocess.TimeoutExpired as exc:
+        return "timeout", str(exc.output)[-4000:] if exc.output else ""
+
+
 def run_arm(arm: str, smoke: bool, out_dir: Path, timeout_s: float) -> dict:
     from peer_workload import has_smi
 
@@ -196,11 +205,7 @@ def run_arm(arm: str, smoke: bool, out_dir: Path, timeout_s: float) -> dict:
                                 "-lms", "100"], stdout=smi_out, stderr=subprocess.DEVNULL) if has_smi() else None
     cmd = [sys.executable, __file__, "--child", arm, "--out", str(raw)] + (["--smoke"] if smoke else [])
     start = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, cwd=ROOT, timeout=timeout_s, capture_output=True, text=True)
-        code, tail = proc.returncode, (proc.stdout + proc.stderr)[-4000:]
-    except subprocess.TimeoutExpired as exc:
-        code, tail = "timeout", str(exc.output)[-4000:] if exc.output else ""
+    code, tail = run_process(cmd, timeout_s)
     if smi is not None:
         smi.terminate()
         smi.wait()
@@ -243,11 +248,7 @@ def run_bare(w: dict, out_dir: Path, timeout_s: float) -> dict:
     raw = out_dir / "bare.json"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "bare_vllm.py"), "--json-in", str(out_dir / "bare_in.json"),
            "--json-out", str(raw)]
-    try:
-        proc = subprocess.run(cmd, cwd=ROOT, timeout=timeout_s, capture_output=True, text=True)
-        code, tail = proc.returncode, (proc.stdout + proc.stderr)[-4000:]
-    except subprocess.TimeoutExpired as exc:
-        code, tail = "timeout", str(exc.output)[-4000:] if exc.output else ""
+    code, tail = run_process(cmd, timeout_s)
     result = json.loads(raw.read_text()) if raw.exists() and code == 0 else {}
     result.update(exit_code=code, output_tail=tail if code != 0 else "")
     return result

@@ -363,14 +363,15 @@ def plan_memory(settings: RunConfig, shape: Shape, seq_len: int,
     # After a train step torch's allocator holds about the step's peak; where the engine can wake
     # beside that too, the Offloader keeps it (Offloader.keep_cache_if_free) and so does the plan.
     cached = s.trainer_peak() * (1 + RESIDENT_SLACK_FRACTION)
-    if free - TRAINER_CONTEXT_GIB * GIB - cached - asleep >= wake:
+    keep_cache = free - TRAINER_CONTEXT_GIB * GIB - cached - asleep >= wake
+    if keep_cache:
         resident = max(resident, cached)
     components.append(Component("engine KV cache", kv, "GPU", "-"))
     components.append(Component("engine beyond its budget (awake)", beyond, "GPU", "-"))
     slack = resident - s.awake_resident(chosen) / (1 + RESIDENT_SLACK_FRACTION)
     if slack:
-        components.append(Component("trainer allocator slack" if resident == s.awake_resident(chosen) else
-                                    "trainer allocator cache (kept: the engine wakes beside it)", slack, "GPU", "-"))
+        components.append(Component("trainer allocator cache (kept: the engine wakes beside it)" if keep_cache
+                                    else "trainer allocator slack", slack, "GPU", "-"))
     components.append(Component("engine asleep (CUDA graphs, context)", asleep, "GPU", "GPU"))
     _place(components, chosen)
     predicted = {

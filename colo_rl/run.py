@@ -45,7 +45,7 @@ from colo_rl.tasks import Batch, Task
 from colo_rl.timing import SetupStages, StepTimer, engine_log_status, host_metrics
 from colo_rl.trainer import (CheckpointError, GRPOTrainer, Offloader, TrainingDiverged, load_checkpoint,
                              save_checkpoint)
-from colo_rl.trainer.checkpoint import BackgroundWriter, check_compatible, snapshot, verify_checkpoint
+from colo_rl.trainer.checkpoint import BackgroundWriter, check_compatible, verify_checkpoint
 from colo_rl.trainer.flops import peak_tflops, perf_metrics
 from colo_rl.trainer.grpo import group_advantages
 
@@ -372,14 +372,12 @@ def _loop(settings: RunConfig, task: Task, trainer: GRPOTrainer, switch: Switch,
             closing = time.perf_counter()
             generator.close()
             log.info("engine closed (%.1f s)", time.perf_counter() - closing)
-        if not final:
-            _wait_for_write(writer)  # a periodic write may still be in flight
+        if final and not background:
+            start = time.perf_counter()
+            _checkpoint(par, checkpoint_dir, trainer, done, describe)
         else:
-            if background:
-                _wait_for_write(writer)
-            else:
-                start = time.perf_counter()
-                _checkpoint(par, checkpoint_dir, trainer, done, describe)
+            _wait_for_write(writer)  # the final write beside the close, or a periodic one still in flight
+        if final:
             log.info("final checkpoint of step %d written to %s (%.1f s%s)", done["step"], checkpoint_dir,
                      time.perf_counter() - start, ", beside the engine's close" if background else "")
     except KeyboardInterrupt as exc:
@@ -477,8 +475,7 @@ def _checkpoint(par: Parallel, directory: Path, trainer: GRPOTrainer, done: dict
         if writer is None:
             _save(directory, trainer, done, describe, state=state)
         else:
-            writer.wait()  # the host buffers the snapshot reuses hold the write in flight, if any
-            snap = snapshot(trainer, done, state, buffers=writer.buffers)
+            snap = writer.snapshot(trainer, done, state)
             writer.submit(lambda: _save(directory, trainer, snap.extra, describe, state=snap.state,
                                         rng=snap.rng), snap.step)
     return time.perf_counter() - start

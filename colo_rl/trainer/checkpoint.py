@@ -454,7 +454,7 @@ class HostBuffers:
     time. Pinning is slow (~0.5 s per GB on the H200) and a copy into pageable memory runs at
     ~1.2 GB/s (the 1B shape's 16.6 GiB state stalled a step for 14.8 s), so they are allocated at
     the first snapshot and reused: later copies run at the pinned rate (~54 GB/s). A snapshot may
-    reuse them only once the write of the previous one has ended (BackgroundWriter.submit waits)."""
+    reuse them only once the write of the previous one has ended (BackgroundWriter.snapshot waits)."""
 
     def __init__(self) -> None:
         self._buffers: list[torch.Tensor] = []
@@ -524,6 +524,12 @@ class BackgroundWriter:
     @property
     def busy(self) -> bool:
         return self._thread is not None
+
+    def snapshot(self, trainer: GRPOTrainer, extra: dict, state: dict | None = None) -> Snapshot:
+        """snapshot() into this writer's host buffers, once the write in flight (which reads them)
+        has ended."""
+        self.wait()
+        return snapshot(trainer, extra, state, buffers=self.buffers)
 
     def submit(self, write, step: int) -> None:
         """Run `write()` (which writes the checkpoint of `step`) on the writer's thread."""

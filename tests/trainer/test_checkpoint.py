@@ -271,21 +271,21 @@ def test_snapshots_reuse_the_writers_host_buffers_and_write_what_a_direct_save_w
     """The host copy of a background checkpoint goes into buffers allocated once (pinned on CUDA:
     a copy into fresh pageable memory stalled the 1B run 14.8 s); the next snapshot overwrites
     them, and its files are still a direct save's, tied weights included."""
-    from colo_rl.trainer.checkpoint import BackgroundWriter, snapshot
+    from colo_rl.trainer.checkpoint import BackgroundWriter
 
     trainer = make_trainer(model_dir)
     trainer.model.lm_head.weight = trainer.model.model.embed_tokens.weight
     trainer.optimizer = torch.optim.AdamW(trainer.model.parameters(), lr=1e-3)
     step(trainer, FIRST)
     writer = BackgroundWriter()
-    first = snapshot(trainer, {"step": 1}, buffers=writer.buffers)
+    first = writer.snapshot(trainer, {"step": 1})
     held = writer.buffers.nbytes
     state_bytes = {t.data_ptr(): t.numel() * t.element_size() for t in trainer.model.state_dict().values()}
     assert held >= sum(state_bytes.values())  # every tensor once (the tied pair shares one buffer)
     pointers = {t.data_ptr() for t in first.state["model"].values()}
     step(trainer, SECOND)
     save_checkpoint(tmp_path / "direct", trainer, {"step": 2})
-    second = snapshot(trainer, {"step": 2}, buffers=writer.buffers)
+    second = writer.snapshot(trainer, {"step": 2})
     assert writer.buffers.nbytes == held  # nothing allocated again
     assert {t.data_ptr() for t in second.state["model"].values()} == pointers  # the same buffers
     assert second.state["model"]["lm_head.weight"] is second.state["model"]["model.embed_tokens.weight"]
