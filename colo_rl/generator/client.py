@@ -101,7 +101,7 @@ class EngineProcess:
         fd = os.open(config_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
             json.dump({"socket": socket_path, "authkey": authkey.hex(), "parent_pid": os.getpid(),
-                       "parent_started": psutil.Process().create_time()}, f)
+                       "parent_start_ticks": start_ticks(os.getpid())}, f)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log_file:
             self.proc = subprocess.Popen(
@@ -310,25 +310,36 @@ def remove_stale_socket_dirs() -> list[str]:
     return removed
 
 
-def _socket_dir_owner(path: str) -> tuple[int, float | None] | None:
-    """(trainer pid, its start time) from worker.json, or the pid from the directory's name."""
+def _socket_dir_owner(path: str) -> tuple[int, int | None] | None:
+    """(trainer pid, its start_ticks) from worker.json, or the pid from the directory's name."""
     try:
         with open(os.path.join(path, "worker.json")) as f:
             info = json.load(f)
-        return int(info["parent_pid"]), info.get("parent_started")
+        return int(info["parent_pid"]), info.get("parent_start_ticks")
     except (OSError, ValueError, KeyError, TypeError):
         pid = os.path.basename(path)[len(SOCKET_DIR_PREFIX):].split("-", 1)[0]
         return (int(pid), None) if pid.isdigit() else None
 
 
-def _running(pid: int, started: float | None) -> bool:
+def start_ticks(pid: int) -> int | None:
+    """When process `pid` started, in clock ticks after boot (/proc/PID/stat, field 22): with the
+    pid it names one process. A wall-clock start time (psutil's create_time, boot time + ticks)
+    moves when the clock is stepped or a paused VM resumes: a live trainer's directory was then
+    taken for a dead one's and removed under its engine. None where /proc has no such file."""
     try:
-        proc = psutil.Process(pid)
-        if proc.status() == psutil.STATUS_ZOMBIE:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])  # fields after the name start at 3
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _running(pid: int, ticks: int | None) -> bool:
+    try:
+        if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
             return False
-        return started is None or abs(proc.create_time() - started) < 1.0  # not a reused pid
     except psutil.NoSuchProcess:
         return False
+    return ticks is None or start_ticks(pid) == ticks  # not a reused pid
 
 
 @dataclass

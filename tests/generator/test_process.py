@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -57,6 +58,28 @@ def test_worker_runs_in_its_own_process_group_with_a_private_socket(tmp_path):
         assert process.close() == 0
     assert not os.path.exists(socket_dir)
     assert group_members(pgid) == []
+
+
+def test_a_socket_directory_names_its_trainer_by_pid_and_start_ticks_not_the_wall_clock():
+    """worker.json's owner is (pid, start in clock ticks after boot): the same pid with other
+    ticks is a reused pid, so the directory is a dead run's; the live owner's is kept. (The check
+    once compared psutil's wall-clock create_time, which moves when the clock is stepped.)"""
+    from colo_rl.generator.client import remove_stale_socket_dirs, start_ticks
+
+    me = start_ticks(os.getpid())
+    assert isinstance(me, int) and me == int(open(f"/proc/{os.getpid()}/stat").read().split()[21])
+    dirs = {}
+    for name, ticks in (("live", me), ("reused", me + 1)):
+        dirs[name] = tempfile.mkdtemp(prefix=f"colo_rl-{os.getpid()}-")
+        with open(os.path.join(dirs[name], "worker.json"), "w") as f:
+            json.dump({"parent_pid": os.getpid(), "parent_start_ticks": ticks}, f)
+    try:
+        removed = remove_stale_socket_dirs()
+        assert dirs["reused"] in removed and not os.path.exists(dirs["reused"])
+        assert os.path.isdir(dirs["live"]) and dirs["live"] not in removed
+    finally:
+        for path in dirs.values():
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def test_garbage_and_silence_before_the_trainer_connects_do_not_lock_it_out(tmp_path):
