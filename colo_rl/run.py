@@ -12,6 +12,10 @@ import sys
 
 if __name__ == "__main__":  # torch, transformers and the rest take seconds to import: say so first
     print("colo_rl: starting (importing torch, transformers, Hydra)", flush=True)  # stderr: errors only
+    # ...and start the engine's worker first: it imports vLLM while this process imports torch
+    from colo_rl.generator.process import prespawn
+
+    prespawn(sys.argv[1:])
 
 import logging
 import os
@@ -236,7 +240,8 @@ def _train(cfg: DictConfig, settings: RunConfig, generator: VLLMGenerator | None
             if not generator.running:
                 generator.begin_start()
                 stages.mark("engine_spawn", f"engine starting in the background (vLLM in its own "
-                                            f"process; log: {generator.log_path})")
+                                            f"process{', spawned as the command started' if generator.prespawned else ''}; "
+                                            f"log: {generator.log_path})")
             if not on_cuda or settings.model.source != "embedded":
                 torch.manual_seed(t.seed)
                 policy = load_trainer_policy(settings, model_dir, early_device)

@@ -7,7 +7,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 import time
+from glob import glob
 from pathlib import Path
 
 import pytest
@@ -93,6 +95,9 @@ def test_each_bad_input_is_one_error_line_exit_2_without_traceback_or_engine(tmp
         assert len(errors) == 1 and expected in errors[0], (name, err)
         assert "Error executing job" not in err, (name, err)
         assert seconds < 30, (name, seconds)  # 4-5 s on 2 cores, nearly all of it importing torch
+        # the worker spawned as the command started (importing vLLM) is gone with its files
+        assert not glob(os.path.join(tempfile.gettempdir(), f"colo_rl-{proc.pid}-*")), name
+        assert not glob(os.path.join(tempfile.gettempdir(), f"colo_rl-engine-{proc.pid}-*")), name
     assert not marker.exists()
     assert not list(tmp_path.glob("*/engine*.log"))
 

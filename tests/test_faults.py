@@ -24,7 +24,7 @@ import torch
 
 from colo_rl.config import ConfigError, GeneratorConfig, SamplingConfig
 from colo_rl.generator import GeneratorError, VLLMGenerator
-from colo_rl.generator.client import group_members
+from colo_rl.generator.process import group_members
 from colo_rl.generator.worker import FAULT_ENV
 from colo_rl.run import train
 from colo_rl.rundir import RunDirInUse, RunDirLock

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -189,10 +190,15 @@ def test_sigterm_checkpoints_closes_the_engine_and_exits_non_zero(tmp_path):
     lines = [line for line in out.splitlines() if "set-up: " in line]
     # the engine starts first and the trainer is built while it loads: they meet at "engine ready"
     for i, stage in enumerate(("config checked", "model files in", "task target_char ready",
-                               "engine starting in the background", "policy of", "engine ready (waited",
+                               "engine starting in the background (vLLM in its own process, spawned "
+                               "as the command started", "policy of", "engine ready (waited",
                                "the engine's weight mapping checked", "logging to")):
         assert stage in lines[i], (stage, lines)
     assert not [pid for pid in workers if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+    # the worker imported vLLM while the trainer imported torch, then wrote on into the run's log
+    engine_log = (tmp_path / "engine.log").read_text()
+    assert engine_log.index("colo_rl worker: vLLM imported in") < engine_log.index("non-default args")
+    assert not list(Path(tempfile.gettempdir()).glob(f"colo_rl-engine-{proc.pid}-*"))
 
 
 def test_checkpoint_final_false_leaves_no_checkpoint(tmp_path, engine):

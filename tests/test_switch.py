@@ -18,7 +18,7 @@ import torch
 import colo_rl.generator.client as client
 from colo_rl.config import GeneratorConfig, SamplingConfig
 from colo_rl.generator import GeneratorError, VLLMGenerator
-from colo_rl.generator.client import group_members
+from colo_rl.generator.process import group_members
 from colo_rl.generator.worker import FAULT_ENV
 from colo_rl.switch import Switch
 from colo_rl.trainer import Offloader

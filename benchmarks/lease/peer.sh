@@ -3,7 +3,7 @@
 # Run TRL bf16 in a second call: python benchmarks/peer_trl.py --out $W/t/peer_trl.json --arm trl_bf16
 source benchmarks/lease/common.sh
 W=/tmp/peer; mkdir -p $W
-timeout 560 python benchmarks/peer_trl.py --out $W/peer_trl.json --bare --colo-rl \
+timeout 540 python benchmarks/peer_trl.py --out $W/peer_trl.json --bare --colo-rl \
   --colo-rl-arm "trainer.checkpoint_final=false generator.gpu_memory_utilization=auto" \
   --arm trl_default --timeout-s 240 2>&1 | grep -v " INFO \|WARNING\|it/s\]" | tail -60
 cp $W/peer_trl.json $OUT/peer_trl.json; pack $W peer_logs.tgz

@@ -1,7 +1,6 @@
 """The trainer's side of the sleeping vLLM generator: the engine client. Never imports vllm.
 
-`EngineProcess` owns the worker subprocess and its private control channel; `VLLMGenerator` speaks
-to the worker on top of it: start the engine (and check the weight mapping), stage or share
+`VLLMGenerator` speaks to the worker through an `EngineProcess` (colo_rl.generator.process): start the engine (and check the weight mapping), stage or share
 weights and load them, wake, reset the prefix cache, generate, sleep, close. It knows nothing of
 the trainer's state: colo_rl.switch sequences these requests into a wake that hands the GPU from
 the trainer to the engine and back.
@@ -10,249 +9,23 @@ the trainer to the engine and back.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 import pickle
 import shutil
-import signal
-import subprocess
 import tempfile
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from glob import glob
-from multiprocessing import AuthenticationError
-from multiprocessing.connection import Client, Connection, answer_challenge, deliver_challenge
 from pathlib import Path
 
-import psutil
 import torch
 
-import colo_rl
 from colo_rl.config import GeneratorConfig, SamplingConfig, engine_python, resolve_device
-from colo_rl.generator.channel import read_deadline
+from colo_rl.generator.process import EngineProcess, GeneratorError, adopt_prespawned, env_changes, worker_env
 from colo_rl.generator.staging import tensor_checksum, write_staged_file
 from colo_rl.lora import hf_parameters, merged_weight
 
 log = logging.getLogger(__name__)
-
-SOCKET_DIR_PREFIX = "colo_rl-"  # tempfile.gettempdir()/colo_rl-PID-XXXX: the worker's socket and authkey
-
-
-class GeneratorError(RuntimeError):
-    """The engine failed; the message names the phase and the engine's log."""
-
-    def __init__(self, message: str, *, phase: str | None = None, log_path: Path | None = None):
-        where = f" during {phase}" if phase else ""
-        tail = f" (engine log: {log_path})" if log_path else ""
-        super().__init__(f"generator failed{where}: {message}{tail}")
-        self.phase = phase
-        self.log_path = log_path
-
-
-def _tail(path: Path, lines: int = 15) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(max(0, os.path.getsize(path) - 16384))
-            text = f.read().decode(errors="replace")
-    except OSError:
-        return ""
-    return "\n".join(text.splitlines()[-lines:])
-
-
-def group_members(pgid: int) -> list[psutil.Process]:
-    """Live (non-zombie) processes of process group `pgid`."""
-    members = []
-    for proc in psutil.process_iter(["status"]):
-        try:
-            if os.getpgid(proc.pid) == pgid and proc.info["status"] != psutil.STATUS_ZOMBIE:
-                members.append(proc)
-        except (ProcessLookupError, psutil.NoSuchProcess):
-            continue
-    return members
-
-
-class EngineProcess:
-    """A worker subprocess in its own process group, reached over an authenticated AF_UNIX socket."""
-
-    def __init__(self, python: str, log_path: Path, env: dict[str, str]):
-        self.python, self.log_path, self.env = python, log_path, env
-        self.proc: subprocess.Popen | None = None
-        self.conn: Connection | None = None
-        self.socket_dir: str | None = None
-        self._next_id = 0
-        self._broken = False
-
-    @property
-    def pid(self) -> int | None:
-        return self.proc.pid if self.proc else None
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def spawn(self, connect_timeout: float) -> None:
-        remove_stale_socket_dirs()
-        # mode 0700; the pid in the name lets a later run find the directory if this one dies
-        self.socket_dir = tempfile.mkdtemp(prefix=f"{SOCKET_DIR_PREFIX}{os.getpid()}-")
-        socket_path = os.path.join(self.socket_dir, "control.sock")
-        authkey = os.urandom(32)
-        config_path = os.path.join(self.socket_dir, "worker.json")
-        fd = os.open(config_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump({"socket": socket_path, "authkey": authkey.hex(), "parent_pid": os.getpid(),
-                       "parent_start_ticks": start_ticks(os.getpid())}, f)
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as log_file:
-            self.proc = subprocess.Popen(
-                [self.python, "-m", "colo_rl.generator.worker", config_path],
-                stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
-                env=self.env, start_new_session=True)
-        self.conn = self._connect(socket_path, authkey, connect_timeout)
-
-    def _connect(self, socket_path: str, authkey: bytes, timeout: float) -> Connection:
-        """Connect and authenticate, all within `timeout` (generator.start_timeout_s): a worker
-        that accepts but never answers the handshake ends in an error, not a wait forever."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            self._raise_if_dead("connect")
-            if os.path.exists(socket_path):
-                try:
-                    conn = Client(socket_path, family="AF_UNIX")  # no authkey: the handshake is below
-                except (ConnectionRefusedError, FileNotFoundError):
-                    conn = None  # the listener is not accepting yet
-                if conn is not None:
-                    try:
-                        with read_deadline(conn, max(0.1, deadline - time.monotonic())):
-                            answer_challenge(conn, authkey)
-                            deliver_challenge(conn, authkey)
-                    except (OSError, EOFError, AuthenticationError) as exc:
-                        conn.close()
-                        self._raise_if_dead("connect")
-                        raise GeneratorError(
-                            f"the worker's control socket did not complete the handshake within "
-                            f"generator.start_timeout_s={timeout:.0f} s ({type(exc).__name__}: {exc})",
-                            phase="connect", log_path=self.log_path) from None
-                    return conn
-            time.sleep(0.05)
-        raise GeneratorError(f"worker did not open its control socket within {timeout:.0f} s",
-                             phase="connect", log_path=self.log_path)
-
-    def _raise_if_dead(self, op: str) -> None:
-        if self.proc is not None and self.proc.poll() is not None:
-            raise GeneratorError(f"engine worker exited with code {self.proc.returncode} while "
-                                 f"handling '{op}'; last log lines:\n{_tail(self.log_path)}",
-                                 phase=op, log_path=self.log_path)
-
-    def send(self, op: str, **args) -> int:
-        """Send a request without waiting; returns its id."""
-        if self._broken:
-            raise GeneratorError("the control connection was interrupted in the middle of a message "
-                                 "earlier, so its framing is lost", phase=op, log_path=self.log_path)
-        self._next_id += 1
-        with self._whole_message():
-            self.conn.send({"id": self._next_id, "op": op, "args": args})
-        return self._next_id
-
-    @contextmanager
-    def _whole_message(self):
-        """An interrupt (SIGINT/SIGTERM raised as an exception) can land between the reads or
-        writes of one message; the stream is then unusable, and marked so."""
-        try:
-            yield
-        except BaseException:
-            self._broken = True
-            raise
-
-    def request(self, op: str, timeout: float, **args):
-        """Send a request and wait for its reply; replies to earlier requests are discarded."""
-        return self.reply(self.send(op, **args), op, time.monotonic() + timeout, timeout)
-
-    def reply(self, request_id: int, op: str, deadline: float, timeout: float):
-        """Wait until `deadline` (time.monotonic) for the reply to an earlier `send`."""
-        while True:
-            if self.conn.poll(0.1):
-                try:
-                    with self._whole_message():
-                        reply = self.conn.recv()
-                except (EOFError, ConnectionError):
-                    try:
-                        self.proc.wait(timeout=10)
-                    except subprocess.TimeoutExpired:
-                        self.kill()
-                        raise GeneratorError("control connection closed by a worker that kept running; "
-                                             "its process group was killed", phase=op,
-                                             log_path=self.log_path) from None
-                    self._raise_if_dead(op)
-                    raise GeneratorError("control connection closed", phase=op, log_path=self.log_path)
-                if reply.get("id") != request_id:
-                    log.warning("discarding stale reply %s while waiting for request %s (%s)",
-                                reply.get("id"), request_id, op)
-                    continue
-                if not reply["ok"]:
-                    raise GeneratorError(reply["error"], phase=op, log_path=self.log_path)
-                return reply["result"]
-            self._raise_if_dead(op)
-            if time.monotonic() > deadline:
-                self.kill()
-                raise GeneratorError(f"no reply within {timeout:.0f} s; the engine's process group "
-                                     "was killed", phase=op, log_path=self.log_path)
-
-    def kill(self, grace: float = 10.0) -> bool:
-        """SIGTERM, then SIGKILL, the worker's own process group; True once none of it is left."""
-        if self.proc is None:
-            return True
-        pgid = self.proc.pid  # start_new_session made the worker its group's leader
-        for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
-            try:
-                os.killpg(pgid, sig)
-            except ProcessLookupError:
-                pass
-            deadline = time.monotonic() + wait
-            while time.monotonic() < deadline:
-                if self.proc.poll() is not None and not group_members(pgid):
-                    return True
-                time.sleep(0.1)
-        return self.proc.poll() is not None and not group_members(pgid)
-
-    def close(self, timeout: float = 60.0, polite: bool = True) -> int | None:
-        """Ask the worker to shut down (unless not `polite`), wait, then kill its group; returns
-        its exit code. Interrupted half-way, it still kills the group and removes the socket
-        directory before the interruption goes on."""
-        if self.proc is None:
-            return None
-        try:
-            if polite and self.alive() and self.conn is not None:
-                try:
-                    self.request("shutdown", timeout=timeout)
-                    self.proc.wait(timeout=timeout)
-                except (GeneratorError, OSError, subprocess.TimeoutExpired) as exc:
-                    log.warning("engine did not shut down politely (%s); killing its process group", exc)
-        finally:
-            released = self.kill()
-            if self.conn is not None:
-                self.conn.close()
-            if self.socket_dir:
-                shutil.rmtree(self.socket_dir, ignore_errors=True)
-            code = self.proc.returncode
-            self.proc, self.conn, self.socket_dir = None, None, None
-        if not released:
-            raise GeneratorError("processes of the engine's group survived SIGKILL",
-                                 phase="close", log_path=self.log_path)
-        return code
-
-    def kill_now(self) -> None:
-        """SIGKILL the worker's group and remove its socket directory, without waiting: for a
-        trainer that exits at once."""
-        if self.proc is None:
-            return
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        if self.socket_dir:
-            shutil.rmtree(self.socket_dir, ignore_errors=True)
-
 
 def vllm_cache_root(cfg: GeneratorConfig) -> Path:
     """The engine's VLLM_CACHE_ROOT: generator.cache_dir, else vLLM's own default."""
@@ -290,58 +63,6 @@ def shared_model_dir(model_dir: Path, cache_root: Path) -> Path:
     return target
 
 
-def remove_stale_socket_dirs() -> list[str]:
-    """Remove the control-socket directories (authkey inside) of colo_rl runs whose trainer is
-    dead: one killed before it could clean up. Directories of live runs are left alone."""
-    removed = []
-    for path in glob(os.path.join(tempfile.gettempdir(), f"{SOCKET_DIR_PREFIX}*")):
-        try:
-            if not os.path.isdir(path) or os.stat(path).st_uid != os.getuid():
-                continue
-        except OSError:
-            continue
-        owner = _socket_dir_owner(path)
-        if owner is not None and not _running(*owner):
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(path)
-    if removed:
-        log.info("removed %d control-socket directories of dead colo_rl runs: %s", len(removed),
-                 ", ".join(removed))
-    return removed
-
-
-def _socket_dir_owner(path: str) -> tuple[int, int | None] | None:
-    """(trainer pid, its start_ticks) from worker.json, or the pid from the directory's name."""
-    try:
-        with open(os.path.join(path, "worker.json")) as f:
-            info = json.load(f)
-        return int(info["parent_pid"]), info.get("parent_start_ticks")
-    except (OSError, ValueError, KeyError, TypeError):
-        pid = os.path.basename(path)[len(SOCKET_DIR_PREFIX):].split("-", 1)[0]
-        return (int(pid), None) if pid.isdigit() else None
-
-
-def start_ticks(pid: int) -> int | None:
-    """When process `pid` started, in clock ticks after boot (/proc/PID/stat, field 22): with the
-    pid it names one process. A wall-clock start time (psutil's create_time, boot time + ticks)
-    moves when the clock is stepped or a paused VM resumes: a live trainer's directory was then
-    taken for a dead one's and removed under its engine. None where /proc has no such file."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[19])  # fields after the name start at 3
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def _running(pid: int, ticks: int | None) -> bool:
-    try:
-        if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
-            return False
-    except psutil.NoSuchProcess:
-        return False
-    return ticks is None or start_ticks(pid) == ticks  # not a reused pid
-
-
 @dataclass
 class Rollouts:
     """One step's generations, grouped: prompt i's completions are [i*n:(i+1)*n]."""
@@ -376,6 +97,7 @@ class VLLMGenerator:
         self._start_info: dict = {}
         self._unchecked = False  # an engine begin_start started whose weight mapping start() has not checked
         self.start_began = 0.0
+        self.prespawned = False  # the worker was spawned as the command started (process.prespawn)
 
     @property
     def in_process(self) -> bool:
@@ -388,9 +110,7 @@ class VLLMGenerator:
     # -- lifecycle -------------------------------------------------------------------------
 
     def _env(self) -> dict[str, str]:
-        env = dict(os.environ)
-        package_root = str(Path(colo_rl.__file__).resolve().parent.parent)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+        env = worker_env()
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.cfg.cpu_kvcache_gib))
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
         if self.cfg.cache_dir:
@@ -444,12 +164,19 @@ class VLLMGenerator:
             self.process.close()
         self.start_began = time.perf_counter()
         self._unchecked = True
-        self.process = EngineProcess(engine_python(self.cfg), self.log_path, self._env())
+        python, env = engine_python(self.cfg), self._env()
+        # the worker `python -m colo_rl.run` spawned as it started, vLLM imported or importing
+        self.process = adopt_prespawned(python, env, self.log_path)
+        self.prespawned = self.process is not None
         try:
-            self.process.spawn(connect_timeout=self.cfg.start_timeout_s)
+            if self.process is None:
+                self.process = EngineProcess(python, self.log_path, env)
+                self.process.spawn(connect_timeout=self.cfg.start_timeout_s)
             sent = time.monotonic()
             self._start_request = (self.process.send("start", engine_kwargs=self.engine_kwargs(),
-                                                     sleep_level=self.cfg.sleep_level), sent)
+                                                     sleep_level=self.cfg.sleep_level,
+                                                     env=env_changes(self.process.env, env),
+                                                     log_path=str(self.log_path)), sent)
         except BaseException as exc:
             self.abandon_start(polite=isinstance(exc, Exception))
             raise

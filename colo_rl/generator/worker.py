@@ -205,8 +205,19 @@ class EngineServer:
     def op_ping(self) -> dict:
         return {"pid": os.getpid(), "engine": self.llm is not None}
 
-    def op_start(self, engine_kwargs: dict, sleep_level: int) -> dict:
+    def op_start(self, engine_kwargs: dict, sleep_level: int, env: dict | None = None,
+                 log_path: str | None = None) -> dict:
+        """`env`: variables vLLM reads when its engine starts (None: unset), for a worker spawned
+        before the run's settings were known; `log_path`: the run's engine log, for one that
+        wrote to an early log until now."""
         start = time.perf_counter()
+        if log_path and self.settings.get("early_log"):
+            move_output(self.settings["early_log"], log_path)
+        for key, value in (env or {}).items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
         import vllm
         from vllm import LLM
         from vllm.platforms import current_platform
@@ -353,6 +364,35 @@ def inject_fault(op: str) -> None:
     os.kill(os.getpid(), getattr(signal, signame))
 
 
+def move_output(early_log: str, log_path: str) -> None:
+    """Append what this process wrote to `early_log` to `log_path` and write there from now on
+    (stdout and stderr, and so the engine core's, which inherits them)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        with open(early_log, "rb") as f:
+            os.write(fd, f.read())
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+    finally:
+        os.close(fd)
+    os.unlink(early_log)
+
+
+def import_vllm() -> None:
+    """Import vLLM before the first request: the trainer's first request is the start, and a
+    worker spawned as the command starts imports vLLM while the trainer imports torch."""
+    start = time.perf_counter()
+    try:
+        import vllm  # noqa: F401
+        from vllm import LLM, SamplingParams  # noqa: F401
+    except Exception as exc:  # the start request reports it, with vLLM's traceback in the log
+        print(f"colo_rl worker: importing vLLM failed ({type(exc).__name__}: {exc})", flush=True)
+        return
+    print(f"colo_rl worker: vLLM imported in {time.perf_counter() - start:.1f} s", flush=True)
+
+
 def serve(conn: Connection, server: EngineServer) -> None:
     """Answer requests until asked to shut down; every reply carries its request's id."""
     while True:
@@ -396,7 +436,10 @@ def main(config_path: str) -> int:
     stopping = threading.Event()
     server = EngineServer(settings)
     try:
-        serve(accept_trainer(listener, bytes.fromhex(settings["authkey"]), stopping), server)
+        conn = accept_trainer(listener, bytes.fromhex(settings["authkey"]), stopping)
+        if settings.get("import_vllm"):  # spawned early (process.prespawn): requests wait meanwhile
+            import_vllm()
+        serve(conn, server)
     except Shutdown:
         print("colo_rl worker: SIGTERM, shutting the engine down", flush=True)
         return 143
@@ -405,6 +448,11 @@ def main(config_path: str) -> int:
         server.close()
         listener.close()
         shutil.rmtree(socket_dir, ignore_errors=True)
+        if settings.get("early_log"):  # not moved to the run's log: a prespawned worker nobody adopted
+            try:
+                os.unlink(settings["early_log"])
+            except OSError:
+                pass
     return 0
 
 

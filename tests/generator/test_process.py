@@ -23,7 +23,8 @@ import torch
 
 from colo_rl.config import GeneratorConfig, SamplingConfig
 from colo_rl.generator import EngineProcess, GeneratorError, VLLMGenerator
-from colo_rl.generator.client import group_members
+from colo_rl.generator import process as process_module
+from colo_rl.generator.process import group_members
 from colo_rl.switch import Switch
 from colo_rl.trainer import Offloader
 
@@ -64,7 +65,7 @@ def test_a_socket_directory_names_its_trainer_by_pid_and_start_ticks_not_the_wal
     """worker.json's owner is (pid, start in clock ticks after boot): the same pid with other
     ticks is a reused pid, so the directory is a dead run's; the live owner's is kept. (The check
     once compared psutil's wall-clock create_time, which moves when the clock is stepped.)"""
-    from colo_rl.generator.client import remove_stale_socket_dirs, start_ticks
+    from colo_rl.generator.process import remove_stale_socket_dirs, start_ticks
 
     me = start_ticks(os.getpid())
     assert isinstance(me, int) and me == int(open(f"/proc/{os.getpid()}/stat").read().split()[21])
@@ -231,3 +232,46 @@ def test_killing_the_trainer_mid_generate_takes_the_engine_and_its_key_down_with
         assert f"trainer {trainer.pid} is gone" in (tmp_path / "engine.log").read_text()
     finally:
         trainer.kill()
+
+
+@pytest.mark.parametrize("argv, env", [(["-m", "trainer.lr=1e-4,3e-4"], {}), (["--help"], {}),
+                                       (["hydra.mode=MULTIRUN"], {}), ([], {"COLO_RL_PRESPAWN": "0"}),
+                                       ([], {"LOCAL_RANK": "0"})])
+def test_no_worker_is_prespawned_for_a_multirun_a_flag_a_torchrun_rank_or_when_turned_off(argv, env, monkeypatch):
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert process_module.prespawn(argv) is None
+    assert process_module._prespawned is None
+
+
+def test_a_prespawned_worker_is_adopted_unless_a_variable_read_at_process_start_differs(tmp_path, monkeypatch):
+    """`python -m colo_rl.run` spawns the engine's worker before it imports torch. The run adopts
+    it when only variables read as the engine starts differ (they go in the start request); a
+    different CUDA_VISIBLE_DEVICES or interpreter means a new worker, and the early one is gone
+    with its socket directory and early log."""
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    for change, adopted in (({"VLLM_CACHE_ROOT": str(tmp_path / "cache")}, True),
+                            ({"CUDA_VISIBLE_DEVICES": "7"}, False), ({}, False)):
+        early = process_module.prespawn(["trainer.steps=1"])
+        assert early is not None and early.alive() and early.early_log.exists()
+        socket_dir, pgid = early.socket_dir, early.pid
+        python = sys.executable if change else "/usr/bin/python3-other"
+        env = {**process_module.worker_env(), **change}
+        assert process_module.env_changes(early.env, env) == change
+        process = process_module.adopt_prespawned(python, env, tmp_path / "engine.log")
+        assert process_module._prespawned is None  # taken either way
+        if adopted:
+            assert process is early and process.log_path == tmp_path / "engine.log"
+            # it imports vLLM first, then answers; the early log holds what it wrote so far
+            assert process.request("ping", timeout=300)["pid"] == pgid
+            assert "colo_rl worker: vLLM imported in" in early.early_log.read_text()
+            assert process.close() == 0
+        else:
+            assert process is None
+        assert group_members(pgid) == [] and not os.path.exists(socket_dir)
+        assert not early.early_log.exists()
+
+
+def test_env_changes_names_what_differs_and_what_is_unset():
+    assert process_module.env_changes({"A": "1", "B": "2"}, {"A": "1", "B": "3", "C": "4"}) == {"B": "3", "C": "4"}
+    assert process_module.env_changes({"A": "1"}, {}) == {"A": None}
