@@ -17,6 +17,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -29,6 +31,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 def one_run(overrides: list[str], output_dir: Path) -> dict:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    shutil.rmtree(output_dir, ignore_errors=True)  # --work-dir: an earlier call's run
     metrics = output_dir / "metrics.jsonl"
     start = time.perf_counter()
     first_record_s = None
@@ -43,7 +46,11 @@ def one_run(overrides: list[str], output_dir: Path) -> dict:
     if proc.returncode != 0:
         raise SystemExit(f"the run exited with {proc.returncode}; its output: {log.name}")
     first = json.loads(metrics.read_text().splitlines()[0])
-    return {"setup": {k.removeprefix("setup/"): round(v, 2) for k, v in first.items() if k.startswith("setup/")},
+    engine_log = (output_dir / "engine.log").read_text(errors="replace") if (output_dir / "engine.log").exists() else ""
+    imported = re.search(r"colo_rl worker: vLLM imported in ([0-9.]+) s", engine_log)
+    return {"worker_spawned_at_start": imported is not None,  # colo_rl.generator.process.prespawn
+            "worker_vllm_import_s": float(imported.group(1)) if imported else None,
+            "setup": {k.removeprefix("setup/"): round(v, 2) for k, v in first.items() if k.startswith("setup/")},
             "engine_start_s": round(first.get("timing/server_start_s", float("nan")), 2),
             "first_step_s": round(first["timing/step_s"], 2),
             "command_to_first_record_s": round(first_record_s or float("nan"), 2),
@@ -58,6 +65,7 @@ def main() -> None:
     p.add_argument("--peer", action="store_true", help="the 1B peer workload (benchmarks/peer_workload.py)")
     p.add_argument("--model", default="olmo2_1b_shape", help="with --peer: the model preset")
     p.add_argument("--out", type=Path, help="also write the JSON here")
+    p.add_argument("--work-dir", type=Path, help="keep the runs' directories here (default: a temporary one)")
     p.add_argument("overrides", nargs="*", help="Hydra overrides for every run (after --)")
     args = p.parse_args()
     overrides = ["logger.mode=offline", *args.overrides]
@@ -66,6 +74,8 @@ def main() -> None:
         overrides = [f"model={args.model}", *WORKLOAD, *overrides]
     results = {"overrides": overrides, "runs": []}
     with tempfile.TemporaryDirectory(prefix="colo_rl_startup_") as tmp:
+        tmp = args.work_dir or tmp
+        Path(tmp).mkdir(parents=True, exist_ok=True)
         for i in range(args.runs):
             results["runs"].append({"run": i, "cache": "cold" if i == 0 else "warm",
                                     **one_run(overrides, Path(tmp) / f"run{i}")})
