@@ -332,12 +332,17 @@ def test_sigterm_during_the_engines_start_stops_it_and_a_concurrent_run_is_refus
     an engine. The first is sent SIGTERM while its engine starts: it stops it and says so."""
     runs = [_cli("trainer.steps=2", *CLI_RUN, f"output_dir={tmp_path}") for _ in range(2)]
     try:
+        # Both spawn a worker as they start (it imports vLLM); the winner holds the directory's
+        # lock, and its engine is starting once its worker writes into the run's engine.log.
         deadline = time.monotonic() + 120
         winner = None
         while winner is None and time.monotonic() < deadline:
-            winner = next((p for p in runs if _workers(p.pid)), None)
+            lock, log = tmp_path / ".colo_rl.lock", tmp_path / "engine.log"
+            holder = lock.read_text().strip() if lock.exists() else ""
+            if holder.isdigit() and log.exists() and log.stat().st_size:
+                winner = next((p for p in runs if p.pid == int(holder)), None)
             time.sleep(0.05)
-        assert winner is not None, "no run started an engine"
+        assert winner is not None and _workers(winner.pid), "no run started an engine"
         winner.send_signal(signal.SIGTERM)
         loser = runs[1 - runs.index(winner)]
         out_loser, _ = loser.communicate(timeout=120)
