@@ -361,9 +361,10 @@ def plan_memory(settings: RunConfig, shape: Shape, seq_len: int,
     resident = s.awake_resident(chosen)
     wake = util * total + beyond + MARGIN_MIN_GIB * GIB
     # After a train step torch's allocator holds about the step's peak; where the engine can wake
-    # beside that too, the Offloader keeps it (Offloader.keep_cache_if_free) and so does the plan.
+    # beside that too, and trainer.keep_cache asks for it, the Offloader keeps it
+    # (Offloader.keep_cache_if_free) and so does the plan.
     cached = s.trainer_peak() * (1 + RESIDENT_SLACK_FRACTION)
-    keep_cache = free - TRAINER_CONTEXT_GIB * GIB - cached - asleep >= wake
+    keep_cache = t.keep_cache and free - TRAINER_CONTEXT_GIB * GIB - cached - asleep >= wake
     if keep_cache:
         resident = max(resident, cached)
     components.append(Component("engine KV cache", kv, "GPU", "-"))

@@ -266,7 +266,7 @@ def _train(cfg: DictConfig, settings: RunConfig, generator: VLLMGenerator | None
                     policy = load_trainer_policy(settings, model_dir, device)
                 trainer, offloader, start_step = _build_trainer(settings, policy.to(device), device, par,
                                                                 tokenizer, task, stages)
-                if plan.engine_wake_bytes:  # torch's cache stays where the engine can wake beside it
+                if t.keep_cache and plan.engine_wake_bytes:  # torch's cache stays where the engine can wake beside it
                     offloader.keep_cache_if_free = int(plan.engine_wake_bytes)
             with engine_log_status("engine starting", generator.log_path):
                 generator.ensure_started(trainer.model)  # the weight mapping; a full start if none ran

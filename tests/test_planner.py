@@ -179,9 +179,15 @@ def test_by_default_the_engine_gets_the_kv_cache_of_one_step_not_half_the_card()
 def test_torch_cache_is_kept_where_the_engine_wakes_beside_it():
     # the H200's peer run emptied torch's cache twice a step (0.046 s of its 0.40 s switch) and
     # allocated it again in the next train step; with the engine's budget at auto both fit
-    settings = validate(compose_config(*[o for o in PEER if "gpu_memory_utilization" not in o]))
+    settings = validate(compose_config(*[o for o in PEER if "gpu_memory_utilization" not in o],
+                                       "trainer.keep_cache=true"))
     _, shape = one_b()
     rich = plan_memory(settings, shape, 384, (138 * GIB, H200))
+    # by default (trainer.keep_cache=false) the cache is emptied: the device peak stays lower
+    lean = plan_memory(validate(compose_config(*[o for o in PEER if "gpu_memory_utilization" not in o])),
+                       shape, 384, (138 * GIB, H200))
+    assert not [c for c in lean.components if c.name.startswith("trainer allocator cache")]
+    assert lean.predicted["free_after_wake_kv"] > rich.predicted["free_after_wake_kv"] + 30
     kept = [c for c in rich.components if c.name.startswith("trainer allocator cache")]
     assert kept and rich.offload == "none"
     cached = sizes(settings, shape, 384, cuda=True).trainer_peak() * 1.09
@@ -189,7 +195,7 @@ def test_torch_cache_is_kept_where_the_engine_wakes_beside_it():
     assert rich.predicted["free_after_wake_kv"] == pytest.approx((138 * GIB - 1 * GIB - cached - awake) / GIB, abs=0.01)
     assert rich.engine_wake_bytes == pytest.approx(awake + 1 * GIB)
     # the engine at half the card on 80 GiB: no room for the cache, it is emptied as before
-    tight, _ = one_b()
+    tight, _ = one_b("trainer.keep_cache=true")
     plan = plan_memory(tight, shape, 384, (80 * GIB, H200))
     assert plan.offload == "all" and not [c for c in plan.components if c.name.startswith("trainer allocator cache")]
     assert plan.engine_wake_bytes > 0  # the Offloader still checks, with the free memory it measures
