@@ -26,6 +26,10 @@ PR_SET_PDEATHSIG = 1
 # For benchmarks/generate_ab.py: COLO_RL_FLAT_LOGPROBS=0 asks vLLM for its list-of-dicts log-probs,
 # to measure what the flat layout changes in llm.generate on a GPU host.
 FLAT_LOGPROBS = os.environ.get("COLO_RL_FLAT_LOGPROBS", "1") != "0"
+# For issue #23: COLO_RL_TRACE_CUDA_INIT=1 prints the stack that first initialises CUDA in this
+# process. vLLM forks its engine core only when CUDA is not initialised here; on the GPU hosts
+# something inside LLM(...) initialises it, so the core is spawned and imports vLLM again (18 s).
+TRACE_CUDA_INIT = os.environ.get("COLO_RL_TRACE_CUDA_INIT") == "1"
 
 
 class Shutdown(BaseException):
@@ -235,6 +239,8 @@ class EngineServer:
             kwargs.setdefault("enable_chunked_prefill", False)
         kwargs.setdefault("worker_extension_cls", "colo_rl.generator.extension.WeightSyncExtension")
         cache_package_model_info()
+        if TRACE_CUDA_INIT:
+            trace_cuda_init()
         self.llm = LLM(**kwargs)
         if self.sleep_supported:
             self.llm.sleep(level=sleep_level)  # start asleep: the trainer has the GPU
@@ -362,6 +368,24 @@ def inject_fault(op: str) -> None:
             return
     print(f"colo_rl worker: {FAULT_ENV}: sending myself {signame} on '{op}'", flush=True)
     os.kill(os.getpid(), getattr(signal, signame))
+
+
+def trace_cuda_init() -> None:
+    """Print the stack of the first call that initialises CUDA in this process (torch's lazy
+    init, through which every CUDA tensor, stream and device query of torch passes)."""
+    import torch
+
+    lazy_init = torch.cuda._lazy_init
+
+    def traced() -> None:
+        if not torch.cuda.is_initialized():
+            print("colo_rl worker: CUDA initialised here:", flush=True)
+            traceback.print_stack(file=sys.stdout)
+            sys.stdout.flush()
+            torch.cuda._lazy_init = lazy_init
+        lazy_init()
+
+    torch.cuda._lazy_init = traced
 
 
 def move_output(early_log: str, log_path: str) -> None:

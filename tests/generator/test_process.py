@@ -275,3 +275,26 @@ def test_a_prespawned_worker_is_adopted_unless_a_variable_read_at_process_start_
 def test_env_changes_names_what_differs_and_what_is_unset():
     assert process_module.env_changes({"A": "1", "B": "2"}, {"A": "1", "B": "3", "C": "4"}) == {"B": "3", "C": "4"}
     assert process_module.env_changes({"A": "1"}, {}) == {"A": None}
+
+
+def test_trace_cuda_init_prints_the_stack_of_the_first_cuda_initialisation():
+    """COLO_RL_TRACE_CUDA_INIT=1 (issue #23): the worker reports what initialises CUDA before its
+    engine core starts (which makes vLLM spawn the core instead of forking it). On this CPU host
+    torch's lazy init fails after the report; the report names the caller and comes once."""
+    code = textwrap.dedent("""
+        import torch
+        from colo_rl.generator.worker import trace_cuda_init
+        trace_cuda_init()
+        torch.cuda.is_initialized = lambda: False
+        def caller_that_initialises_cuda():
+            try:
+                torch.cuda._lazy_init()
+            except Exception:
+                pass
+        caller_that_initialises_cuda()
+        caller_that_initialises_cuda()
+    """)
+    out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                         capture_output=True, text=True, timeout=120).stdout
+    assert out.count("colo_rl worker: CUDA initialised here:") == 1
+    assert "caller_that_initialises_cuda" in out
