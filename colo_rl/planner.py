@@ -158,7 +158,8 @@ class Plan:
     predicted: dict[str, float] = field(default_factory=dict)  # memory/<key>_predicted_gib
     notes: list[str] = field(default_factory=list)
     # what must be free on the device for the engine to wake (its budget, what it holds beyond it,
-    # the least margin): the Offloader keeps torch's cache when at least this much is free
+    # the least margin): the Offloader keeps torch's cache when at least this much is free; 0 with
+    # trainer.keep_cache off, where the cache is always emptied
     engine_wake_bytes: float = 0.0
 
     def table(self) -> str:
@@ -386,7 +387,8 @@ def plan_memory(settings: RunConfig, shape: Shape, seq_len: int,
         notes.append(f"offload=auto: {chosen} is the least offload with the awake engine's "
                      f"{util * total / GIB:.1f} GiB, the trainer's {resident / GIB:.1f} GiB and the margin on the device")
     return Plan(chosen, util, components, total_gib=total / GIB, free_gib=free / GIB, margin_gib=margin / GIB,
-                predicted=predicted, notes=notes, engine_wake_bytes=wake)
+                predicted=predicted, notes=notes,
+                engine_wake_bytes=wake if t.keep_cache else 0.0)
 
 
 def free_awake(free: float, total: float, resident: float, util: float) -> float:

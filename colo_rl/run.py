@@ -239,9 +239,9 @@ def _train(cfg: DictConfig, settings: RunConfig, generator: VLLMGenerator | None
         try:
             if not generator.running:
                 generator.begin_start()
+                early = ", spawned as the command started" if generator.prespawned else ""
                 stages.mark("engine_spawn", f"engine starting in the background (vLLM in its own "
-                                            f"process{', spawned as the command started' if generator.prespawned else ''}; "
-                                            f"log: {generator.log_path})")
+                                            f"process{early}; log: {generator.log_path})")
             if not on_cuda or settings.model.source != "embedded":
                 torch.manual_seed(t.seed)
                 policy = load_trainer_policy(settings, model_dir, early_device)
@@ -266,7 +266,7 @@ def _train(cfg: DictConfig, settings: RunConfig, generator: VLLMGenerator | None
                     policy = load_trainer_policy(settings, model_dir, device)
                 trainer, offloader, start_step = _build_trainer(settings, policy.to(device), device, par,
                                                                 tokenizer, task, stages)
-                if t.keep_cache and plan.engine_wake_bytes:  # torch's cache stays where the engine can wake beside it
+                if plan.engine_wake_bytes:  # trainer.keep_cache: the cache stays where the engine wakes beside it
                     offloader.keep_cache_if_free = int(plan.engine_wake_bytes)
             with engine_log_status("engine starting", generator.log_path):
                 generator.ensure_started(trainer.model)  # the weight mapping; a full start if none ran

@@ -37,6 +37,8 @@ COMPOSE_ERRORS = {
     "wrong_type": (["trainer.lr=fast"], "trainer.lr: Value 'fast' of type 'str' could not be converted"),
     "not_a_bool": (["trainer.checkpoint_background=maybe"],
                    "trainer.checkpoint_background: Value 'maybe' is not a valid bool"),
+    "keep_cache_not_a_bool": (["trainer.keep_cache=sometimes"],
+                              "trainer.keep_cache: Value 'sometimes' is not a valid bool"),
     "unparsable_override": (["trainer.lr=="], "trainer.lr==: cannot parse this override"),
     "unknown_group_option": (["model=olmo3"], "model=olmo3: there is no config model/olmo3.yaml in "
                                               "the config search path. Choose one of olmo2, "),

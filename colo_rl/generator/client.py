@@ -1,9 +1,10 @@
 """The trainer's side of the sleeping vLLM generator: the engine client. Never imports vllm.
 
-`VLLMGenerator` speaks to the worker through an `EngineProcess` (colo_rl.generator.process): start the engine (and check the weight mapping), stage or share
-weights and load them, wake, reset the prefix cache, generate, sleep, close. It knows nothing of
-the trainer's state: colo_rl.switch sequences these requests into a wake that hands the GPU from
-the trainer to the engine and back.
+`VLLMGenerator` speaks to the worker through an `EngineProcess` (colo_rl.generator.process):
+start the engine (and check the weight mapping), stage or share weights and load them, wake,
+reset the prefix cache, generate, sleep, close. It knows nothing of the trainer's state:
+colo_rl.switch sequences these requests into a wake that hands the GPU from the trainer to the
+engine and back.
 """
 
 from __future__ import annotations

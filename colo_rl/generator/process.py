@@ -255,10 +255,7 @@ class EngineProcess:
             released = self.kill()
             if self.conn is not None:
                 self.conn.close()
-            if self.socket_dir:
-                shutil.rmtree(self.socket_dir, ignore_errors=True)
-            if self.early_log is not None:
-                self.early_log.unlink(missing_ok=True)
+            self._remove_files()
             code = self.proc.returncode
             self.proc, self.conn, self.socket_dir = None, None, None
         if not released:
@@ -275,6 +272,10 @@ class EngineProcess:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+        self._remove_files()
+
+    def _remove_files(self) -> None:
+        """The socket directory (authkey inside) and the early log, whatever the worker left."""
         if self.socket_dir:
             shutil.rmtree(self.socket_dir, ignore_errors=True)
         if self.early_log is not None:
