@@ -248,6 +248,12 @@ class TrainerConfig:
     # known GPU (H100/H200 989, A100 312; colo_rl/trainer/flops.py), none logged on a CPU or other GPU
     peak_tflops: Optional[float] = None
     gradient_checkpointing: bool = False  # recompute activations in backward: less memory, ~1.3x the compute
+    # none | liger: Liger's fused Triton kernels for RMSNorm, SwiGLU and RoPE (CUDA, liger-kernel
+    # installed, a model type it knows); same computation, fewer passes over the activations
+    kernels: str = "none"
+    # torch.compile each decoder layer (regional: compiled once, reused by every layer); the first
+    # train step pays the compilation
+    compile: bool = False
     # auto | all | optimizer | none: what leaves the GPU while the engine is awake. auto: the
     # start-up memory plan (colo_rl.planner) keeps on the GPU whatever fits beside the awake engine
     # (on a CPU: all, as the CPU path always did)
@@ -284,6 +290,7 @@ class TrainerConfig:
         _one_of("trainer.precision", self.precision, ("auto", "mixed", "pure"))
         _one_of("trainer.optimizer", self.optimizer, OPTIMIZERS)
         _one_of("trainer.parallel", self.parallel, ("none", "ddp", "fsdp"))
+        _one_of("trainer.kernels", self.kernels, ("none", "liger"))
         if self.parallel == "fsdp":
             if self.offload == "auto":
                 self.offload = "none"

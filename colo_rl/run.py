@@ -52,6 +52,7 @@ from colo_rl.trainer import (CheckpointError, GRPOTrainer, Offloader, TrainingDi
 from colo_rl.trainer.checkpoint import BackgroundWriter, check_compatible, verify_checkpoint
 from colo_rl.trainer.flops import peak_tflops, perf_metrics
 from colo_rl.trainer.grpo import group_advantages
+from colo_rl.trainer.kernels import check_kernels
 
 log = logging.getLogger("colo_rl")
 register_configs()
@@ -196,6 +197,7 @@ def _train(cfg: DictConfig, settings: RunConfig, generator: VLLMGenerator | None
     plan = plan_run(settings, model_dir, device, task, show=par.is_main)
     if t.lora.rank > 0:  # LoRA's target modules against the model's linear layers
         check_targets(model_dir, t.lora, settings.model.trust_remote_code)
+    check_kernels(t.kernels, device, model_dir, settings.model.trust_remote_code)
     if t.resume:  # its files' checksums and step count too, before the engine is spawned: a
         # damaged checkpoint or one with no steps left to do stops here
         done_steps = verify_checkpoint(t.resume).get("step", 0)

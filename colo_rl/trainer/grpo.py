@@ -20,6 +20,7 @@ import torch.utils.checkpoint
 
 from colo_rl.config import TrainerConfig
 from colo_rl.trainer.flops import ModelShape, step_flops
+from colo_rl.trainer.kernels import apply_liger, compile_layers, decoder_layers
 from colo_rl.lora import is_lora, trainable_parameters
 from colo_rl.parallel import Parallel
 
@@ -95,7 +96,7 @@ def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: to
               mask: torch.Tensor, *, clip_eps: float, loss_agg: str, max_tokens: int,
               clip_eps_high: Optional[float] = None, ref_logprobs: Optional[torch.Tensor] = None,
               kl_coef: float = 0.0, tis_weights: Optional[torch.Tensor] = None,
-              normalizer: Optional[float] = None) -> tuple[torch.Tensor, dict]:
+              normalizer: Optional[float] = None, sync: bool = True) -> tuple[torch.Tensor, dict]:
     """The token-level clipped policy-gradient loss, with an optional k3 KL penalty to a reference.
 
     logprobs, old_logprobs, ref_logprobs, tis_weights, mask: (B, T) over response tokens, mask 1
@@ -110,7 +111,8 @@ def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: to
     full-batch loss. Padded positions never reach an exp, so any value there (an overflowing
     log-prob gap included) leaves the loss and its gradient unchanged.
     Returns (loss, stats) with stats clip_frac (tokens where either clip bound is active) and
-    kl (means over masked tokens) and tokens.
+    kl (means over masked tokens) and tokens: Python floats, or with sync=False 0-d tensors on the
+    loss's device, so that a caller summing micro-batches waits for the GPU once, not per call.
     """
     if not logprobs.shape == old_logprobs.shape == mask.shape or advantages.shape != logprobs.shape[:1]:
         raise ValueError(f"grpo_loss needs logprobs, old_logprobs, mask of one (B, T) shape and advantages "
@@ -143,12 +145,14 @@ def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: to
         sums = sums / lengths.clamp(min=1)
     loss = sums.sum() / normalizer
     with torch.no_grad():
-        tokens = float(lengths.sum())
-        denominator = max(tokens, 1.0)
+        tokens = lengths.sum()
+        denominator = tokens.clamp(min=1.0)
         # the clipped term is the larger one exactly where a bound stops the gradient: below
         # 1 - clip_eps with a negative advantage, above 1 + clip_eps_high with a positive one
-        stats = {"clip_frac": float(((clipped > unclipped) * mask).sum()) / denominator,
-                 "kl": float((kl * mask).sum()) / denominator, "tokens": tokens}
+        stats = {"clip_frac": ((clipped > unclipped) * mask).sum() / denominator,
+                 "kl": (kl * mask).sum() / denominator, "tokens": tokens}
+    if sync:
+        stats = {key: float(value) for key, value in stats.items()}
     return loss, stats
 
 
@@ -162,6 +166,11 @@ class _MicroBatch:
     mask: torch.Tensor  # (b, T): 1.0 for real response tokens
     advantages: torch.Tensor  # (b,)
     engine_logprobs: Optional[torch.Tensor]  # (b, T), or None when the engine sent none
+    # (row, column) in (b, T) of each real response token, found on the host when packing so that
+    # the chunked head never waits for the GPU to learn how many there are; every position when
+    # all completions are empty (one graph through the head all the same)
+    rows: torch.Tensor  # (n,)
+    cols: torch.Tensor  # (n,)
 
 
 def _pack(prompts: list[list[int]], completions: list[list[int]], advantages: torch.Tensor,
@@ -182,9 +191,12 @@ def _pack(prompts: list[list[int]], completions: list[list[int]], advantages: to
         mask[i, :len(c)] = 1.0
         if engine is not None:
             engine_logprobs[i, :len(c)] = torch.tensor(engine[i], dtype=torch.float32)
+    real = mask.bool() if mask.any() else torch.ones_like(mask, dtype=torch.bool)
+    rows, cols = real.nonzero(as_tuple=True)
     return _MicroBatch(input_ids.to(device), attention_mask.to(device), positions.to(device),
                        mask.to(device), advantages.to(device),
-                       engine_logprobs.to(device) if engine_logprobs is not None else None)
+                       engine_logprobs.to(device) if engine_logprobs is not None else None,
+                       rows.to(device), cols.to(device))
 
 
 def _check_batch(prompt_ids: list[list[int]], completion_ids: list[list[int]], rewards: list[float],
@@ -232,6 +244,13 @@ class GRPOTrainer:
         self.parallel = parallel or Parallel.single()
         self.shape = ModelShape.of(model)  # before FSDP shards it; for perf/* (colo_rl/trainer/flops.py)
         self.last_step_flops = 0.0  # model FLOPs of the last train_step
+        # Under LoRA the reference is the same model with its adapters disabled: no second copy.
+        # Copied before any kernel patch or compilation: it only runs forward, without grad.
+        self.reference = _frozen_copy(model) if cfg.kl_coef > 0 and not is_lora(model) else None
+        if cfg.kernels == "liger":
+            apply_liger(model)
+        if cfg.compile:
+            compile_layers(model)
         self.forward_model = _wrap(model, self.parallel, device)  # what runs forward/backward
         self.cfg = cfg
         self.pad_token_id = pad_token_id
@@ -240,9 +259,10 @@ class GRPOTrainer:
         self.device = torch.device(device)
         trainable = [p for p in model.parameters() if p.requires_grad]  # under LoRA: the adapters
         self.trainable_params = sum(p.numel() for p in trainable)
-        self.optimizer = make_optimizer(trainable, cfg)
-        # Under LoRA the reference is the same model with its adapters disabled: no second copy.
-        self.reference = _frozen_copy(model) if cfg.kl_coef > 0 and not is_lora(model) else None
+        # fused AdamW (one kernel for all tensors) on a GPU, as transformers' adamw_torch_fused;
+        # FSDP's DTensor parameters keep the foreach path
+        self.optimizer = make_optimizer(trainable, cfg, fused=self.parallel.mode != "fsdp" and all(
+            p.is_cuda for p in trainable))
         self.autocast_dtype = autocast_dtype if self.device.type == "cuda" else None
         if all(p.dtype == self.autocast_dtype for p in trainable):
             self.autocast_dtype = None  # computing in the parameters' own dtype needs no autocast
@@ -344,8 +364,10 @@ class GRPOTrainer:
                 ref: list[Optional[torch.Tensor]], normalizer: float) -> tuple[dict, list[torch.Tensor]]:
         """One optimizer step over all micro-batches; returns its stats and the pre-step log-probs.
         A non-finite loss or gradient norm (on any rank) skips the step: the gradients are dropped,
-        parameters and optimizer state stay as they were, and stats["skipped"] is True."""
-        loss_sum, clip_sum, kl_sum, tokens = 0.0, 0.0, 0.0, 0.0
+        parameters and optimizer state stay as they were, and stats["skipped"] is True.
+        The statistics stay on the device until the gradient norm is known: the host waits for
+        the GPU once per update, so it queues each micro-batch's kernels while the last one runs."""
+        sums = torch.zeros(4, dtype=torch.float64, device=self.device)  # loss, clip, kl, tokens
         logprobs_before = []
         for i, mb in enumerate(micro):
             # data parallel: gradients are reduced across ranks once, on the last micro-batch
@@ -359,13 +381,15 @@ class GRPOTrainer:
                                         clip_eps=self.cfg.clip_eps, clip_eps_high=self.cfg.clip_eps_high,
                                         loss_agg=self.cfg.loss_agg, max_tokens=self.max_tokens,
                                         ref_logprobs=ref[i], kl_coef=self.cfg.kl_coef,
-                                        tis_weights=tis, normalizer=normalizer)
+                                        tis_weights=tis, normalizer=normalizer, sync=False)
                 loss.backward()
-            loss_sum += float(loss.detach())
-            clip_sum += stats["clip_frac"] * stats["tokens"]
-            kl_sum += stats["kl"] * stats["tokens"]
-            tokens += stats["tokens"]
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm))
+            sums += torch.stack([loss.detach(), stats["clip_frac"] * stats["tokens"],
+                                 stats["kl"] * stats["tokens"], stats["tokens"]]).to(torch.float64)
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
+        if hasattr(norm, "full_tensor"):  # FSDP: the norm over all shards, as a DTensor
+            norm = norm.full_tensor()
+        loss_sum, clip_sum, kl_sum, tokens, grad_norm = torch.cat(
+            [sums, norm.detach().reshape(1).to(device=sums.device, dtype=torch.float64)]).tolist()
         bad = not (math.isfinite(loss_sum) and math.isfinite(grad_norm))
         if self.parallel.enabled:  # every rank takes the same decision, or their parameters part
             bad = self.parallel.all_sum(float(bad)) > 0
@@ -453,13 +477,14 @@ class GRPOTrainer:
         self.model.load_state_dict(state, strict=False)
 
 
-def make_optimizer(params, cfg: TrainerConfig) -> torch.optim.Optimizer:
+def make_optimizer(params, cfg: TrainerConfig, fused: bool = False) -> torch.optim.Optimizer:
     """trainer.optimizer over `params`. Its state takes the parameters' dtype (fp32 under mixed
     precision), except adamw_8bit's block-wise 8-bit moments (bitsandbytes keeps tensors under
-    4096 elements, norms and biases, in 32 bits)."""
+    4096 elements, norms and biases, in 32 bits). `fused`: torch's fused AdamW kernel (same
+    update as the foreach one up to float rounding; CUDA parameters only)."""
     kwargs = dict(lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
     if cfg.optimizer == "adamw":
-        return torch.optim.AdamW(params, **kwargs)
+        return torch.optim.AdamW(params, **kwargs, **({"fused": True} if fused else {}))
     if cfg.optimizer == "adamw_8bit":
         import bitsandbytes
 
@@ -482,16 +507,10 @@ def _wrap(model: torch.nn.Module, parallel: Parallel, device: str) -> torch.nn.M
     if parallel.mode == "fsdp":
         from torch.distributed.fsdp import fully_shard
 
-        for layer in _decoder_layers(model):
+        for layer in decoder_layers(model):
             fully_shard(layer)
         return fully_shard(model)
     return model
-
-
-def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The repeated blocks FSDP shards one by one (Hugging Face's `_no_split_modules`)."""
-    names = set(getattr(model, "_no_split_modules", None) or [])
-    return [m for m in model.modules() if type(m).__name__ in names]
 
 
 @contextmanager
@@ -538,10 +557,8 @@ def _chunked_head(model: torch.nn.Module, mb: _MicroBatch, temperature: float, c
     head = _output_head(model)
     own = "forward" in head.__dict__  # an instance-level forward (e.g. accelerate's hooks) to restore
     original = head.forward
-    real = mb.mask.bool()
-    if not real.any():  # every completion empty: still one graph through the head, as the full path
-        real = torch.ones_like(real)
-    rows, cols = real.nonzero(as_tuple=True)
+    rows, cols = mb.rows, mb.cols  # every position when all completions are empty: one graph all the same
+    real_shape = mb.mask.shape
     source = (mb.positions[rows, cols] - 1).clamp(min=0)  # the state at t predicts token t + 1
     targets = mb.input_ids[rows, mb.positions[rows, cols]]
 
@@ -553,7 +570,7 @@ def _chunked_head(model: torch.nn.Module, mb: _MicroBatch, temperature: float, c
             args = (original, states[start:start + chunk], targets[start:start + chunk], temperature)
             values.append(torch.utils.checkpoint.checkpoint(_chunk_logprobs, *args, use_reentrant=False)
                           if grad else _chunk_logprobs(*args))
-        out = torch.zeros(real.shape, dtype=torch.float32, device=hidden.device)
+        out = torch.zeros(real_shape, dtype=torch.float32, device=hidden.device)
         return out.index_put((rows, cols), torch.cat(values))
 
     head.forward = forward

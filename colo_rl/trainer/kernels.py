@@ -1,0 +1,94 @@
+"""Faster training forward and backward, computing the same thing (issue #24's MFU).
+
+trainer.kernels=liger swaps the Hugging Face model's RMSNorm, SwiGLU MLP and rotary embedding for
+Liger's fused Triton kernels (liger-kernel, as TRL's `use_liger_kernel`): each of those is a chain
+of elementwise kernels in eager PyTorch, most of them reading and writing the whole activation in
+fp32. Liger's own instance patch leaves the attention's q/k norms (OLMo-2) as they were; they are
+patched here too. The output head is left alone: colo_rl's chunked head (trainer.logprob_chunk)
+already avoids the full logits.
+
+trainer.compile=true compiles each decoder layer with torch.compile (regional compilation: one
+layer's code is compiled once and reused by all of them, so the first step pays seconds, not
+minutes) and fuses whatever elementwise work is left between the matmuls.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import torch
+
+from colo_rl.config import ConfigError
+
+
+def liger_model_types() -> set[str]:
+    from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+
+    return set(MODEL_TYPE_TO_APPLY_LIGER_FN)
+
+
+def check_kernels(kernels: str, device: str, model_dir: Path, trust_remote_code: bool = False) -> None:
+    """trainer.kernels against this machine and model, before any engine starts: liger needs the
+    package, a CUDA trainer (its kernels are Triton GPU kernels) and a model type it knows."""
+    if kernels == "none":
+        return
+    if importlib.util.find_spec("liger_kernel") is None:
+        raise ConfigError("trainer.kernels=liger needs the package liger-kernel, which is not installed "
+                          "here: pip install 'colo_rl[kernels]', or set trainer.kernels=none")
+    if not str(device).startswith("cuda"):
+        raise ConfigError(f"trainer.kernels=liger runs Triton GPU kernels, but the trainer is on {device}: "
+                          "set trainer.kernels=none (or train on a CUDA GPU)")
+    from transformers import AutoConfig
+
+    model_type = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code).model_type
+    known = liger_model_types()
+    if model_type not in known:
+        raise ConfigError(f"trainer.kernels=liger: liger-kernel has no kernels for model type {model_type!r} "
+                          f"(it knows {', '.join(sorted(known))}): set trainer.kernels=none")
+
+
+def _hf_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The Hugging Face model under a peft wrapper (LoRA), or the model itself."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def apply_liger(model: torch.nn.Module) -> int:
+    """Patches `model` (in place) with Liger's kernels; returns how many RMSNorm modules run
+    Liger's. LoRA layers stay peft's: the SwiGLU patch calls the projections as modules."""
+    from liger_kernel.transformers.monkey_patch import _apply_liger_kernel_to_instance, _patch_rms_norm_module
+
+    hf = _hf_model(model)
+    _apply_liger_kernel_to_instance(model=hf, rope=True, rms_norm=True, swiglu=True,
+                                    cross_entropy=False, fused_linear_cross_entropy=False)
+    base = getattr(hf, hf.base_model_prefix, hf)
+    final = getattr(base, "norm", None)
+    if final is None or not hasattr(final, "casting_mode"):
+        return 0
+    patched = 0
+    for module in base.modules():
+        if type(module) is type(final):  # the model's RMSNorm class: q_norm, k_norm, ...
+            if not hasattr(module, "casting_mode"):
+                _patch_rms_norm_module(module, offset=final.offset, casting_mode=final.casting_mode,
+                                       in_place=False)
+            patched += 1
+    return patched
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated blocks (Hugging Face's `_no_split_modules`), under peft too."""
+    names = set(getattr(_hf_model(model), "_no_split_modules", None) or [])
+    return [m for m in model.modules() if type(m).__name__ in names]
+
+
+def compile_layers(model: torch.nn.Module) -> int:
+    """torch.compile each decoder layer in place (`Module.compile`); returns how many. The layers
+    share one code object, so Dynamo compiles it once per input shape class: micro-batches of
+    different lengths mark the sequence dimension dynamic after the first recompile."""
+    layers = decoder_layers(model)
+    if not layers:
+        raise ConfigError(f"trainer.compile=true: {type(_hf_model(model)).__name__} names no decoder layer "
+                          "class (_no_split_modules) to compile: set trainer.compile=false")
+    for layer in layers:
+        layer.compile()
+    return len(layers)
