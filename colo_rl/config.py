@@ -248,9 +248,11 @@ class TrainerConfig:
     # known GPU (H100/H200 989, A100 312; colo_rl/trainer/flops.py), none logged on a CPU or other GPU
     peak_tflops: Optional[float] = None
     gradient_checkpointing: bool = False  # recompute activations in backward: less memory, ~1.3x the compute
-    # none | liger: Liger's fused Triton kernels for RMSNorm, SwiGLU and RoPE (CUDA, liger-kernel
-    # installed, a model type it knows); same computation, fewer passes over the activations
-    kernels: str = "none"
+    # auto | none | liger: Liger's fused Triton kernels for RMSNorm, SwiGLU and RoPE (a CUDA
+    # trainer, liger-kernel installed, a model type it knows); same computation, fewer passes
+    # over the activations (H100, 1B peer workload: train step 3.19 -> 2.24 s). auto: liger
+    # wherever it can run, else none
+    kernels: str = "auto"
     # torch.compile each decoder layer (regional: compiled once, reused by every layer); the first
     # train step pays the compilation
     compile: bool = False
@@ -290,7 +292,7 @@ class TrainerConfig:
         _one_of("trainer.precision", self.precision, ("auto", "mixed", "pure"))
         _one_of("trainer.optimizer", self.optimizer, OPTIMIZERS)
         _one_of("trainer.parallel", self.parallel, ("none", "ddp", "fsdp"))
-        _one_of("trainer.kernels", self.kernels, ("none", "liger"))
+        _one_of("trainer.kernels", self.kernels, ("auto", "none", "liger"))
         if self.parallel == "fsdp":
             if self.offload == "auto":
                 self.offload = "none"

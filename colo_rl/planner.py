@@ -53,6 +53,10 @@ ENGINE_BEYOND_BUDGET_GIB = 2.9
 # Activations per token per decoder layer, in elements of the compute dtype: 32 x hidden + 4 x
 # intermediate (fitted: 48 x hidden on the 1B shape, whose intermediate is 4 x hidden).
 ACT_HIDDEN, ACT_INTERMEDIATE = 32, 4
+# trainer.kernels=liger: Liger's RMSNorm, SwiGLU and RoPE keep fewer and smaller intermediates (the
+# eager ones save fp32 copies for backward). Fitted on the H100, 1B shape (RESULTS.md, 2026-12-06c):
+# decoder activations 0.57x (micro-batch 16) and 0.55x (32) of the eager model's.
+LIGER_ACTIVATION_FACTOR = 0.58
 # The loss's fp32 logits and what is computed from them (log-softmax, their gradient) peak at this
 # many b x T x vocab fp32 tensors at once (fitted on the same two runs).
 LOGITS_COPIES = 1.25
@@ -235,6 +239,8 @@ def sizes(settings: RunConfig, shape: Shape, seq_len: int, *, cuda: bool, micro_
         layers = shape.layers * tokens * shape.hidden * act_b + per_layer
     else:
         layers = shape.layers * per_layer
+    if t.kernels == "liger" and cuda:  # resolved by run.py before the plan (auto counts as eager)
+        layers *= LIGER_ACTIVATION_FACTOR
     if t.logprob_chunk:
         responses = micro_batch * settings.sampling.max_tokens
         logits = (CHUNK_LOGITS_COPIES * min(t.logprob_chunk, responses) * shape.vocab * 4

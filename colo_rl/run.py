@@ -192,12 +192,13 @@ def _train(cfg: DictConfig, settings: RunConfig, generator: VLLMGenerator | None
     stages.mark("tokenizer", f"model files in {model_dir}, tokenizer of {len(tokenizer)} tokens")
     task = Task.setup(settings, tokenizer)  # data, prompt lengths, rewards: before any engine
     stages.mark("task", f"task {settings.task.name} ready: {len(task.train)} training prompts")
+    # trainer.kernels: auto becomes liger or none here (the plan counts Liger's smaller activations)
+    t.kernels = check_kernels(t.kernels, device, model_dir, settings.model.trust_remote_code, t.compile)
     # The memory plan: trainer.offload and generator.gpu_memory_utilization `auto` become values
     # here, and a config whose trainer or engine cannot fit is refused, before anything is built.
     plan = plan_run(settings, model_dir, device, task, show=par.is_main)
     if t.lora.rank > 0:  # LoRA's target modules against the model's linear layers
         check_targets(model_dir, t.lora, settings.model.trust_remote_code)
-    check_kernels(t.kernels, device, model_dir, settings.model.trust_remote_code)
     if t.resume:  # its files' checksums and step count too, before the engine is spawned: a
         # damaged checkpoint or one with no steps left to do stops here
         done_steps = verify_checkpoint(t.resume).get("step", 0)
@@ -288,6 +289,7 @@ def _train(cfg: DictConfig, settings: RunConfig, generator: VLLMGenerator | None
         # the W&B config shows what ran: the plan's choices where the config said auto
         config = OmegaConf.to_container(cfg, resolve=True)
         config["trainer"]["offload"] = settings.trainer.offload
+        config["trainer"]["kernels"] = settings.trainer.kernels
         config["generator"]["gpu_memory_utilization"] = settings.generator.gpu_memory_utilization
         logger = MetricsLogger(settings.logger, output_dir=output_dir, config=config, group=group,
                                name=name, total_steps=t.steps, initial_step=start_step,
@@ -326,7 +328,7 @@ def _build_trainer(settings: RunConfig, policy: torch.nn.Module, device: str, pa
                           restore_while_awake=t.restore_while_awake)
     stages.mark("policy", f"policy of {sum(p.numel() for p in policy.parameters()) / 1e6:.2f} M parameters "
                           f"on {device} in {str(next(policy.parameters()).dtype).removeprefix('torch.')}, "
-                          f"{t.optimizer} optimizer")
+                          f"{t.optimizer} optimizer" + (", Liger's kernels" if trainer.kernels == "liger" else ""))
     start_step = 0
     if t.resume:
         # its config, checksums and step count were checked before the engine was spawned

@@ -30,6 +30,8 @@ BAD_INPUTS = {
                               "model.path=/no/such/model: the directory does not exist"),
     "unknown_key": (["trainer.lrr=1"], "trainer.lrr: no such key"),
     "in_a_multirun": (["-m", "trainer.lr=-1,1e-3"], "trainer.lr=-1.0 must be > 0"),
+    "liger_off_cuda": (["trainer.kernels=liger", "trainer.device=cpu"],
+                       "trainer.kernels=liger runs Triton GPU kernels, but the trainer is on cpu"),
 }
 # Hydra's other composition errors, composed for real in this process (the same exceptions
 # the subprocess gets; a subprocess each would cost 5 s of importing torch).
@@ -39,6 +41,7 @@ COMPOSE_ERRORS = {
                    "trainer.checkpoint_background: Value 'maybe' is not a valid bool"),
     "keep_cache_not_a_bool": (["trainer.keep_cache=sometimes"],
                               "trainer.keep_cache: Value 'sometimes' is not a valid bool"),
+    "unknown_kernels": (["trainer.kernels=flash"], "trainer.kernels='flash' must be one of auto, none, liger"),
     "unparsable_override": (["trainer.lr=="], "trainer.lr==: cannot parse this override"),
     "unknown_group_option": (["model=olmo3"], "model=olmo3: there is no config model/olmo3.yaml in "
                                               "the config search path. Choose one of olmo2, "),

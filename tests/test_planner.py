@@ -114,6 +114,20 @@ def test_trainer_peak_matches_the_h200_measurements(checkpointing, measured):
     assert plan.predicted["trainer_peak"] == pytest.approx(measured, rel=0.03)
 
 
+@pytest.mark.parametrize("micro_batch, measured", [(16, 35.99), (32, 45.48)])
+def test_liger_kernels_trainer_peak_matches_the_h100_measurements(micro_batch, measured):
+    """benchmarks/RESULTS.md (H100, 2026-12-06c): the peer workload's trainer peak with
+    trainer.kernels=liger (resolved by the run before the plan) at micro-batches of 16 and 32;
+    `auto` not yet resolved plans as the eager model (the larger)."""
+    settings, shape = one_b(f"trainer.micro_batch_size={micro_batch}", "trainer.kernels=liger", "trainer.logprob_chunk=1024")
+    liger = sizes(settings, shape, 384, cuda=True).trainer_peak() / GIB
+    assert liger == pytest.approx(measured, rel=0.03)
+    eager = sizes(one_b(f"trainer.micro_batch_size={micro_batch}", "trainer.kernels=auto", "trainer.logprob_chunk=1024")[0], shape, 384,
+                  cuda=True).trainer_peak() / GIB
+    assert eager > liger + 5
+    assert sizes(settings, shape, 384, cuda=False).trainer_peak() > sizes(settings, shape, 384, cuda=True).trainer_peak()
+
+
 H100 = 81079 * 2**20  # torch.cuda.mem_get_info's total on the lent H100 (79.2 GiB)
 
 

@@ -20,7 +20,7 @@ import torch.utils.checkpoint
 
 from colo_rl.config import TrainerConfig
 from colo_rl.trainer.flops import ModelShape, step_flops
-from colo_rl.trainer.kernels import apply_liger, compile_layers, decoder_layers
+from colo_rl.trainer.kernels import apply_liger, compile_layers, decoder_layers, resolve_kernels
 from colo_rl.lora import is_lora, trainable_parameters
 from colo_rl.parallel import Parallel
 
@@ -247,7 +247,9 @@ class GRPOTrainer:
         # Under LoRA the reference is the same model with its adapters disabled: no second copy.
         # Copied before any kernel patch or compilation: it only runs forward, without grad.
         self.reference = _frozen_copy(model) if cfg.kl_coef > 0 and not is_lora(model) else None
-        if cfg.kernels == "liger":
+        model_type = getattr(getattr(model, "config", None), "model_type", None)
+        self.kernels = resolve_kernels(cfg.kernels, device, model_type, cfg.compile)  # auto: liger on a GPU where it can
+        if self.kernels == "liger":
             apply_liger(model)
         if cfg.compile:
             compile_layers(model)

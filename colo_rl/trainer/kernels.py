@@ -1,10 +1,11 @@
 """Faster training forward and backward, computing the same thing (issue #24's MFU).
 
-trainer.kernels=liger swaps the Hugging Face model's RMSNorm, SwiGLU MLP and rotary embedding for
+trainer.kernels=liger (and `auto`, the default, wherever it can run) swaps the Hugging Face model's RMSNorm, SwiGLU MLP and rotary embedding for
 Liger's fused Triton kernels (liger-kernel, as TRL's `use_liger_kernel`): each of those is a chain
 of elementwise kernels in eager PyTorch, most of them reading and writing the whole activation in
 fp32. Liger's own instance patch leaves the attention's q/k norms (OLMo-2) as they were; they are
-patched here too. The output head is left alone: colo_rl's chunked head (trainer.logprob_chunk)
+patched here too. Its RoPE replaces the modeling module's function, so it holds for every model
+of that type in the process (the reference copy too: the same computation). The output head is left alone: colo_rl's chunked head (trainer.logprob_chunk)
 already avoids the full logits.
 
 trainer.compile=true compiles each decoder layer with torch.compile (regional compilation: one
@@ -23,29 +24,48 @@ from colo_rl.config import ConfigError
 
 
 def liger_model_types() -> set[str]:
+    """The model types (config.json's model_type) liger-kernel patches; empty without it."""
+    if importlib.util.find_spec("liger_kernel") is None:
+        return set()
     from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
 
     return set(MODEL_TYPE_TO_APPLY_LIGER_FN)
 
 
-def check_kernels(kernels: str, device: str, model_dir: Path, trust_remote_code: bool = False) -> None:
-    """trainer.kernels against this machine and model, before any engine starts: liger needs the
-    package, a CUDA trainer (its kernels are Triton GPU kernels) and a model type it knows."""
+def resolve_kernels(kernels: str, device: str, model_type: str, compile: bool = False) -> str:
+    """trainer.kernels with `auto` resolved: liger where it runs (a CUDA trainer, liger-kernel
+    installed, a model type it knows) and trainer.compile is off (compiled layers fuse the same
+    elementwise work, and Dynamo cannot trace Liger's RoPE kernel: H100, no gain together), else
+    none. An explicit `liger` that cannot run is refused with a ConfigError naming the key."""
     if kernels == "none":
-        return
-    if importlib.util.find_spec("liger_kernel") is None:
+        return "none"
+    installed = importlib.util.find_spec("liger_kernel") is not None
+    cuda = str(device).startswith("cuda")
+    if kernels == "auto":
+        return "liger" if installed and cuda and not compile and model_type in liger_model_types() else "none"
+    if not installed:
         raise ConfigError("trainer.kernels=liger needs the package liger-kernel, which is not installed "
                           "here: pip install 'colo_rl[kernels]', or set trainer.kernels=none")
-    if not str(device).startswith("cuda"):
+    if not cuda:
         raise ConfigError(f"trainer.kernels=liger runs Triton GPU kernels, but the trainer is on {device}: "
                           "set trainer.kernels=none (or train on a CUDA GPU)")
-    from transformers import AutoConfig
-
-    model_type = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code).model_type
     known = liger_model_types()
     if model_type not in known:
         raise ConfigError(f"trainer.kernels=liger: liger-kernel has no kernels for model type {model_type!r} "
                           f"(it knows {', '.join(sorted(known))}): set trainer.kernels=none")
+    return "liger"
+
+
+def check_kernels(kernels: str, device: str, model_dir: Path, trust_remote_code: bool = False,
+                  compile: bool = False) -> str:
+    """trainer.kernels for this machine and the model in `model_dir` (its config only), before
+    any engine starts: the resolved value, or a ConfigError naming the key."""
+    if kernels == "none":
+        return "none"
+    from transformers import AutoConfig
+
+    model_type = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code).model_type
+    return resolve_kernels(kernels, device, model_type, compile)
 
 
 def _hf_model(model: torch.nn.Module) -> torch.nn.Module:

@@ -18,6 +18,17 @@ pytestmark = [
                        reason="needs a CUDA GPU; run on the lent H200: see benchmarks/README.md"),
 ]
 
+@pytest.fixture(autouse=True)
+def hf_rope():
+    """Liger's RoPE replaces the modeling module's function for the whole process: each test's
+    eager baseline needs Hugging Face's back."""
+    from transformers.models.olmo2 import modeling_olmo2
+
+    saved = modeling_olmo2.apply_rotary_pos_emb
+    yield
+    modeling_olmo2.apply_rotary_pos_emb = saved
+
+
 VOCAB, B, PROMPT, COMPLETION, LAYERS = 4096, 8, 48, 80, 3
 
 
@@ -26,7 +37,7 @@ def step(**cfg):
     config = Olmo2Config(vocab_size=VOCAB, hidden_size=256, intermediate_size=1024, num_hidden_layers=LAYERS,
                          num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False)
     model = Olmo2ForCausalLM(config).cuda()
-    trainer = GRPOTrainer(model, TrainerConfig(micro_batch_size=4, **cfg), pad_token_id=0, temperature=0.8,
+    trainer = GRPOTrainer(model, TrainerConfig(micro_batch_size=4, **{"kernels": "none", **cfg}), pad_token_id=0, temperature=0.8,
                           max_tokens=COMPLETION, device="cuda", autocast_dtype=torch.bfloat16)
     fused = trainer.optimizer.defaults.get("fused")
     grads = {}

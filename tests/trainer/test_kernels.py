@@ -11,7 +11,7 @@ from colo_rl.config import ConfigError, ModelConfig, TrainerConfig
 from colo_rl.models import load_policy, write_embedded_model
 from colo_rl.trainer import GRPOTrainer
 from colo_rl.trainer.grpo import grpo_loss
-from colo_rl.trainer.kernels import check_kernels, decoder_layers
+from colo_rl.trainer.kernels import check_kernels, decoder_layers, resolve_kernels
 
 PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
 GROUP = 2
@@ -75,6 +75,17 @@ def test_liger_kernels_are_refused_off_cuda_naming_the_key(model_dir):
     with pytest.raises(ConfigError, match="trainer.kernels=liger runs Triton GPU kernels, but the trainer is on cpu"):
         check_kernels("liger", "cpu", model_dir)
     check_kernels("none", "cpu", model_dir)  # the default asks for nothing
+
+
+def test_auto_picks_liger_only_where_it_can_run():
+    assert resolve_kernels("auto", "cpu", "olmo2") == "none"
+    assert resolve_kernels("auto", "cuda:0", "no_such_model_type") == "none"
+    assert resolve_kernels("none", "cuda:0", "olmo2") == "none"
+    assert resolve_kernels("auto", "cuda:0", "olmo2") == "liger"  # liger-kernel is a test dependency
+    assert resolve_kernels("auto", "cuda:0", "olmo2", compile=True) == "none"  # compiled layers fuse it
+    assert resolve_kernels("liger", "cuda", "llama") == "liger"
+    with pytest.raises(ConfigError, match="trainer.kernels=liger: liger-kernel has no kernels for model type 'nope'"):
+        resolve_kernels("liger", "cuda", "nope")
 
 
 def test_unknown_kernels_are_refused_naming_the_key():
