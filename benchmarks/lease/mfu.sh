@@ -7,7 +7,7 @@ for arm in "default:" "liger:trainer.kernels=liger" "compile:trainer.compile=tru
   name=${arm%%:*}; ov=${arm#*:}
   case $name in *compile*) limit=140;; *) limit=95;; esac
   echo "== $name ($ov)"
-  timeout $limit python benchmarks/train_profile.py --steps 2 --out $OUT/train_profile_$name.json -- $ov 2>&1 \
+  timeout $limit python benchmarks/train_profile.py --steps 2 --out $OUT/train_profile_$name.json -- generator.max_model_len=512 $ov 2>&1 \
     | grep "train_profile\]\|Error\|error" | head -16
 done
 python - <<'PY'

@@ -27,8 +27,8 @@ PR_SET_PDEATHSIG = 1
 # to measure what the flat layout changes in llm.generate on a GPU host.
 FLAT_LOGPROBS = os.environ.get("COLO_RL_FLAT_LOGPROBS", "1") != "0"
 # For issue #23: COLO_RL_TRACE_CUDA_INIT=1 prints the stack that first initialises CUDA in this
-# process. vLLM forks its engine core only when CUDA is not initialised here; on the GPU hosts
-# something inside LLM(...) initialises it, so the core is spawned and imports vLLM again (18 s).
+# process. vLLM forks its engine core only when CUDA is not initialised here; otherwise the core is
+# spawned and imports vLLM again (18 s on the H100). import_vllm_without_cuda says what did.
 TRACE_CUDA_INIT = os.environ.get("COLO_RL_TRACE_CUDA_INIT") == "1"
 
 
@@ -222,6 +222,7 @@ class EngineServer:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+        import_vllm_without_cuda()  # at once when the worker imported it already
         import vllm
         from vllm import LLM
         from vllm.platforms import current_platform
@@ -239,8 +240,6 @@ class EngineServer:
             kwargs.setdefault("enable_chunked_prefill", False)
         kwargs.setdefault("worker_extension_cls", "colo_rl.generator.extension.WeightSyncExtension")
         cache_package_model_info()
-        if TRACE_CUDA_INIT:
-            trace_cuda_init()
         self.llm = LLM(**kwargs)
         if self.sleep_supported:
             self.llm.sleep(level=sleep_level)  # start asleep: the trainer has the GPU
@@ -404,13 +403,46 @@ def move_output(early_log: str, log_path: str) -> None:
     os.unlink(early_log)
 
 
+def import_vllm_without_cuda() -> None:
+    """`from vllm import LLM` without initialising CUDA in this process, so that vLLM can fork its
+    engine core (its default) instead of spawning it: a spawned core is a fresh interpreter that
+    imports vLLM again, 18 s of every start on the H100 (RESULTS.md, 2026-12-06).
+
+    What initialised it (vLLM 0.26, transformers 5, torchao 0.18 installed): vLLM's config module
+    imports transformers' quantizers, which import torchao, whose mx_formats kernels ask
+    torch.utils._triton.has_triton() at import; that asks the current CUDA device for its compute
+    capability, and the query initialises CUDA. While vLLM imports, has_triton answers from the
+    package alone (the answer it gives on every GPU vLLM runs on, compute capability 7.0 or more);
+    the window then closes, and any module that kept a reference calls the real one from then on.
+    COLO_RL_TRACE_CUDA_INIT=1 prints the stack of the first CUDA initialisation, from here on."""
+    if "vllm.entrypoints.llm" in sys.modules:  # imported before (vllm.LLM itself is a lazy attribute)
+        return
+    if TRACE_CUDA_INIT:
+        trace_cuda_init()
+    import torch.utils._triton as triton_utils
+
+    real = triton_utils.has_triton
+    package_only = getattr(triton_utils, "has_triton_package", None)
+    window = [package_only is not None]
+
+    def has_triton() -> bool:
+        return package_only() if window[0] else real()
+
+    triton_utils.has_triton = has_triton
+    try:
+        import vllm  # noqa: F401
+        from vllm import LLM, SamplingParams  # noqa: F401
+    finally:
+        window[0] = False
+        triton_utils.has_triton = real
+
+
 def import_vllm() -> None:
     """Import vLLM before the first request: the trainer's first request is the start, and a
     worker spawned as the command starts imports vLLM while the trainer imports torch."""
     start = time.perf_counter()
     try:
-        import vllm  # noqa: F401
-        from vllm import LLM, SamplingParams  # noqa: F401
+        import_vllm_without_cuda()
     except Exception as exc:  # the start request reports it, with vLLM's traceback in the log
         print(f"colo_rl worker: importing vLLM failed ({type(exc).__name__}: {exc})", flush=True)
         return

@@ -298,3 +298,39 @@ def test_trace_cuda_init_prints_the_stack_of_the_first_cuda_initialisation():
                          capture_output=True, text=True, timeout=120).stdout
     assert out.count("colo_rl worker: CUDA initialised here:") == 1
     assert "caller_that_initialises_cuda" in out
+
+
+DEVICE_QUERY_PROBE = textwrap.dedent("""
+    import sys, types
+    import torch
+    import torch.utils._triton as triton_utils
+    real_has_triton = triton_utils.has_triton
+    queries = []
+    # a CUDA host as torch's device helpers see it: every query that would initialise CUDA is recorded
+    torch.cuda.is_available = lambda: True
+    torch.cuda.device_count = lambda: 1
+    torch.cuda.current_device = lambda: queries.append("current_device") or 0
+    torch.cuda.get_device_properties = lambda device=None: queries.append("get_device_properties") or \\
+        types.SimpleNamespace(major=9, minor=0, name="H100", total_memory=80 << 30, multi_processor_count=132)
+    if sys.argv[1] == "worker":
+        from colo_rl.generator.worker import import_vllm_without_cuda
+        import_vllm_without_cuda()
+    else:
+        from vllm import LLM
+    print("QUERIES", queries, triton_utils.has_triton is real_has_triton)
+""")
+
+
+@pytest.mark.parametrize("how, queried", [("plain", True), ("worker", False)])
+def test_the_worker_imports_vllm_without_asking_cuda_for_a_device(how, queried):
+    """Issue #23: `from vllm import LLM` asks CUDA for the current device's properties (vLLM ->
+    transformers' quantizers -> torchao's mx_formats kernels -> torch's has_triton()), which on a
+    GPU host initialises CUDA, so vLLM spawns its engine core (importing vLLM again) instead of
+    forking it. The worker's import answers has_triton from the package while vLLM imports, then
+    puts the real one back."""
+    out = subprocess.run([sys.executable, "-c", DEVICE_QUERY_PROBE, how], env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                         capture_output=True, text=True, timeout=300)
+    line = [x for x in out.stdout.splitlines() if x.startswith("QUERIES")]
+    assert line, out.stderr[-3000:]
+    assert ("get_device_properties" in line[0]) is queried, line[0]
+    assert line[0].endswith("True")  # torch's has_triton is its own again
