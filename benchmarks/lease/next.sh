@@ -1,11 +1,11 @@
-# One call (~9 min), for the next lease (issues #24, #22): where the train step's time goes
-# (train_profile.py, no engine), then the peer workload with this session's defaults
-# (trainer.keep_cache=false, gpu_memory_utilization=auto) twice on one machine: logging off as in
-# peer.sh, and W&B offline as in startup.sh, whose runs generated at 18-20k tok/s against 48.5k.
+# One call (~9 min), first on the next machine after part1/part2 (issue #23, then #24):
+# 1. the CUDA-init check: with the worker's import fix (8825d9b) vLLM should fork its engine core,
+#    so engine.log has no "We must use the `spawn` multiprocessing start method" line;
+# 2. start-up of the 1B peer run on this machine, cold then warm (vLLM's compile cache), with this
+#    session's defaults (Liger on, fork): time from the command to the first step (targets 60 / 35 s)
+#    and the whole 6-step run (target 120 s).
 source benchmarks/lease/common.sh
-W=/tmp/next; mkdir -p $W
-timeout 150 python benchmarks/train_profile.py --out $OUT/train_profile.json 2>&1 | grep "train_profile\]" | tail -22
-timeout 380 python benchmarks/peer_workload.py --out $OUT/peer_logging_ab.json --work-dir $W --no-weights --timeout-s 185 \
-  --arm "none=trainer.checkpoint_final=false generator.gpu_memory_utilization=auto" \
-  --arm "wandb_offline=trainer.checkpoint_final=false generator.gpu_memory_utilization=auto logger=wandb logger.mode=offline" 2>&1 | tail -40
-pack $W next_logs.tgz
+bash benchmarks/lease/cuda_init.sh 2>&1 | tail -8
+timeout 360 python benchmarks/startup.py --runs 2 --peer --work-dir /tmp/su --out $OUT/startup.json -- trainer.checkpoint_final=false 2>&1 | grep "^{" | tail -3
+grep -h "multiprocessing start method\|vLLM imported in" /tmp/su/*/engine.log 2>/dev/null | cut -c1-160
+pack /tmp/su su_logs.tgz
