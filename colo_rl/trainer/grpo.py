@@ -247,8 +247,9 @@ class GRPOTrainer:
         # Under LoRA the reference is the same model with its adapters disabled: no second copy.
         # Copied before any kernel patch or compilation: it only runs forward, without grad.
         self.reference = _frozen_copy(model) if cfg.kl_coef > 0 and not is_lora(model) else None
+        # trainer.kernels=auto: Liger's on a GPU where they can run (colo_rl/trainer/kernels.py)
         model_type = getattr(getattr(model, "config", None), "model_type", None)
-        self.kernels = resolve_kernels(cfg.kernels, device, model_type, cfg.compile)  # auto: liger on a GPU where it can
+        self.kernels = resolve_kernels(cfg.kernels, device, model_type, cfg.compile)
         if self.kernels == "liger":
             apply_liger(model)
         if cfg.compile:
