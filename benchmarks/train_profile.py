@@ -106,7 +106,8 @@ def main(argv=None) -> int:
     median = sorted(times)[len(times) // 2]
     peak = peak_tflops(settings.trainer.peak_tflops, torch.device(device))
     result = {"model": model, "overrides": args.overrides, "device": torch.cuda.get_device_name() if cuda else "cpu",
-              "torch": torch.__version__, "precision": trainer_precision(settings),
+              "torch": torch.__version__, "precision": trainer_precision(settings), "kernels": trainer.kernels,
+              "compile": settings.trainer.compile,
               "warmup_step_s": warmup_s, "step_s": times, "median_step_s": median,
               "model_tflop_per_step": trainer.last_step_flops / 1e12,
               **perf_metrics(trainer.last_step_flops, median, peak)}
@@ -134,7 +135,8 @@ def main(argv=None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
 
-    print(f"[train_profile] {result['device']}, {model}, precision {result['precision']}: step "
+    print(f"[train_profile] {result['device']}, {model}, precision {result['precision']}, kernels "
+          f"{result['kernels']}{', compiled' if result['compile'] else ''}: step "
           f"{median:.2f} s (warm-up {warmup_s:.2f} s), {result['model_tflop_per_step']:.0f} TFLOP a step"
           + (f", MFU {result['perf/mfu'] * 100:.1f} %" if "perf/mfu" in result else ""), flush=True)
     print(f"[train_profile] profiled step: {total:.2f} s of {'GPU' if cuda else 'CPU'} time", flush=True)
