@@ -561,7 +561,6 @@ def _chunked_head(model: torch.nn.Module, mb: _MicroBatch, temperature: float, c
     own = "forward" in head.__dict__  # an instance-level forward (e.g. accelerate's hooks) to restore
     original = head.forward
     rows, cols = mb.rows, mb.cols  # every position when all completions are empty: one graph all the same
-    real_shape = mb.mask.shape
     source = (mb.positions[rows, cols] - 1).clamp(min=0)  # the state at t predicts token t + 1
     targets = mb.input_ids[rows, mb.positions[rows, cols]]
 
@@ -573,7 +572,7 @@ def _chunked_head(model: torch.nn.Module, mb: _MicroBatch, temperature: float, c
             args = (original, states[start:start + chunk], targets[start:start + chunk], temperature)
             values.append(torch.utils.checkpoint.checkpoint(_chunk_logprobs, *args, use_reentrant=False)
                           if grad else _chunk_logprobs(*args))
-        out = torch.zeros(real_shape, dtype=torch.float32, device=hidden.device)
+        out = torch.zeros(mb.mask.shape, dtype=torch.float32, device=hidden.device)
         return out.index_put((rows, cols), torch.cat(values))
 
     head.forward = forward

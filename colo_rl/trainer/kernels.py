@@ -75,9 +75,9 @@ def _hf_model(model: torch.nn.Module) -> torch.nn.Module:
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
-def apply_liger(model: torch.nn.Module) -> int:
-    """Patches `model` (in place) with Liger's kernels; returns how many RMSNorm modules run
-    Liger's. LoRA layers stay peft's: the SwiGLU patch calls the projections as modules."""
+def apply_liger(model: torch.nn.Module) -> None:
+    """Patches `model` (in place) with Liger's kernels. LoRA layers stay peft's: the SwiGLU patch
+    calls the projections as modules."""
     from liger_kernel.transformers.monkey_patch import _apply_liger_kernel_to_instance, _patch_rms_norm_module
 
     hf = _hf_model(model)
@@ -86,15 +86,10 @@ def apply_liger(model: torch.nn.Module) -> int:
     base = getattr(hf, hf.base_model_prefix, hf)
     final = getattr(base, "norm", None)
     if final is None or not hasattr(final, "casting_mode"):
-        return 0
-    patched = 0
-    for module in base.modules():
-        if type(module) is type(final):  # the model's RMSNorm class: q_norm, k_norm, ...
-            if not hasattr(module, "casting_mode"):
-                _patch_rms_norm_module(module, offset=final.offset, casting_mode=final.casting_mode,
-                                       in_place=False)
-            patched += 1
-    return patched
+        return
+    for module in base.modules():  # the model's RMSNorm class left unpatched: q_norm, k_norm, ...
+        if type(module) is type(final) and not hasattr(module, "casting_mode"):
+            _patch_rms_norm_module(module, offset=final.offset, casting_mode=final.casting_mode, in_place=False)
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
