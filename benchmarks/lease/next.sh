@@ -1,4 +1,4 @@
-# One call (~9 min), first on the next machine after part1/part2 (issue #23, then #24):
+# One call (~9 min), first on the next machine after part1/part2 (issue #23; then peer.sh for #24):
 # 1. the CUDA-init check: with the worker's import fix (8825d9b) vLLM should fork its engine core,
 #    so engine.log has no "We must use the `spawn` multiprocessing start method" line;
 # 2. start-up of the 1B peer run on this machine, cold then warm (vLLM's compile cache), with this

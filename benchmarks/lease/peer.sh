@@ -1,5 +1,6 @@
-# One call (~9.5 min): issue #24's table from one lease with colo_rl's defaults (gpu_memory_utilization=auto)
-# beside the 0.5 it was compared at, bare vLLM on the same engine settings, and TRL's default.
+# One call (~9.5 min): issue #24's table from one lease with colo_rl's defaults (whatever they are at
+# the commit: since 2026-12-06c Liger's kernels by trainer.kernels=auto, fused AdamW, keep_cache off;
+# gpu_memory_utilization=auto), bare vLLM on the same engine settings, and TRL's default.
 # Run TRL bf16 in a second call: python benchmarks/peer_trl.py --out $W/t/peer_trl.json --arm trl_bf16
 source benchmarks/lease/common.sh
 W=/tmp/peer; mkdir -p $W
