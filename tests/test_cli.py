@@ -41,6 +41,7 @@ COMPOSE_ERRORS = {
                    "trainer.checkpoint_background: Value 'maybe' is not a valid bool"),
     "keep_cache_not_a_bool": (["trainer.keep_cache=sometimes"],
                               "trainer.keep_cache: Value 'sometimes' is not a valid bool"),
+    "compile_not_a_bool": (["trainer.compile=fast"], "trainer.compile: Value 'fast' is not a valid bool"),
     "unknown_kernels": (["trainer.kernels=flash"], "trainer.kernels='flash' must be one of auto, none, liger"),
     "unparsable_override": (["trainer.lr=="], "trainer.lr==: cannot parse this override"),
     "unknown_group_option": (["model=olmo3"], "model=olmo3: there is no config model/olmo3.yaml in "
