@@ -403,38 +403,72 @@ def move_output(early_log: str, log_path: str) -> None:
     os.unlink(early_log)
 
 
+def nvml_device_capability(device=None) -> tuple[int, int] | None:
+    """The compute capability of CUDA device `device` (torch's meaning: None, an index, "cuda:N" or
+    a torch.device) read through NVML, which never initialises CUDA (vLLM's own device queries
+    work this way); None where NVML cannot say (no NVML, no such device, an unusual
+    CUDA_VISIBLE_DEVICES), so the caller asks CUDA instead."""
+    index = getattr(device, "index", device)
+    if isinstance(index, str):
+        index = index.rpartition(":")[2] or None
+    try:
+        index = 0 if index is None else int(index)
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        physical = visible.split(",")[index].strip() if visible else str(index)
+        from vllm.third_party import pynvml
+        pynvml.nvmlInit()
+        try:
+            handle = (pynvml.nvmlDeviceGetHandleByIndex(int(physical)) if physical.isdigit()
+                      else pynvml.nvmlDeviceGetHandleByUUID(physical))
+            major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(handle)
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # noqa: BLE001 - any failure means "ask CUDA"
+        return None
+    return int(major), int(minor)
+
+
 def import_vllm_without_cuda() -> None:
     """`from vllm import LLM` without initialising CUDA in this process, so that vLLM can fork its
     engine core (its default) instead of spawning it: a spawned core is a fresh interpreter that
-    imports vLLM again, 18 s of every start on the H100 (RESULTS.md, 2026-12-06).
+    imports vLLM again, 15-18 s of every start on the H100 (RESULTS.md, 2026-12-06 and 2026-12-06d).
 
     What initialised it (vLLM 0.26, transformers 5, torchao 0.18 installed): vLLM's config module
-    imports transformers' quantizers, which import torchao, whose mx_formats kernels ask
-    torch.utils._triton.has_triton() at import; that asks the current CUDA device for its compute
-    capability, and the query initialises CUDA. While vLLM imports, has_triton answers from the
-    package alone (the answer it gives on every GPU vLLM runs on, compute capability 7.0 or more);
-    the window then closes, and any module that kept a reference calls the real one from then on.
+    imports transformers' quantizers, which import torchao, whose mx_formats kernels ask at import
+    whether triton runs (torch.utils._triton.has_triton) and whether the device is a Blackwell
+    (torch.cuda.get_device_capability); both ask CUDA for the current device's properties, and the
+    query initialises CUDA. While vLLM imports, has_triton answers from the package alone (the
+    answer it gives on every GPU vLLM runs on, compute capability 7.0 or more) and the capability
+    comes from NVML (the same answer, read without CUDA; CUDA is asked where NVML cannot say). The
+    window then closes, and any module that kept a reference calls the real functions from then on.
     COLO_RL_TRACE_CUDA_INIT=1 prints the stack of the first CUDA initialisation, from here on."""
     if "vllm.entrypoints.llm" in sys.modules:  # imported before (vllm.LLM itself is a lazy attribute)
         return
     if TRACE_CUDA_INIT:
         trace_cuda_init()
+    import torch
     import torch.utils._triton as triton_utils
 
-    real = triton_utils.has_triton
+    real_has_triton = triton_utils.has_triton
+    real_capability = torch.cuda.get_device_capability
     package_only = getattr(triton_utils, "has_triton_package", None)
-    window = [package_only is not None]
+    window = [True]
 
     def has_triton() -> bool:
-        return package_only() if window[0] else real()
+        return package_only() if window[0] and package_only is not None else real_has_triton()
+
+    def get_device_capability(device=None) -> tuple[int, int]:
+        return (window[0] and nvml_device_capability(device)) or real_capability(device)
 
     triton_utils.has_triton = has_triton
+    torch.cuda.get_device_capability = get_device_capability
     try:
         import vllm  # noqa: F401
         from vllm import LLM, SamplingParams  # noqa: F401
     finally:
         window[0] = False
-        triton_utils.has_triton = real
+        triton_utils.has_triton = real_has_triton
+        torch.cuda.get_device_capability = real_capability
 
 
 def import_vllm() -> None:

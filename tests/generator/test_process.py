@@ -305,29 +305,39 @@ DEVICE_QUERY_PROBE = textwrap.dedent("""
     import torch
     import torch.utils._triton as triton_utils
     real_has_triton = triton_utils.has_triton
+    real_capability = torch.cuda.get_device_capability
     queries = []
     # a CUDA host as torch's device helpers see it: every query that would initialise CUDA is recorded
+    torch.version.cuda = "13.0"  # a CUDA build: torchao's capability checks look at it first
     torch.cuda.is_available = lambda: True
     torch.cuda.device_count = lambda: 1
     torch.cuda.current_device = lambda: queries.append("current_device") or 0
     torch.cuda.get_device_properties = lambda device=None: queries.append("get_device_properties") or \\
         types.SimpleNamespace(major=9, minor=0, name="H100", total_memory=80 << 30, multi_processor_count=132)
     if sys.argv[1] == "worker":
+        # the host's NVML, which answers without CUDA: one H100 (its handle is its index)
+        from vllm.third_party import pynvml
+        pynvml.nvmlInit = pynvml.nvmlShutdown = lambda: None
+        pynvml.nvmlDeviceGetHandleByIndex = lambda index: index
+        pynvml.nvmlDeviceGetCudaComputeCapability = lambda handle: (9, 0)
         from colo_rl.generator.worker import import_vllm_without_cuda
         import_vllm_without_cuda()
     else:
         from vllm import LLM
-    print("QUERIES", queries, triton_utils.has_triton is real_has_triton)
+    print("QUERIES", queries, triton_utils.has_triton is real_has_triton
+          and torch.cuda.get_device_capability is real_capability)
 """)
 
 
 @pytest.mark.parametrize("how, queried", [("plain", True), ("worker", False)])
 def test_the_worker_imports_vllm_without_asking_cuda_for_a_device(how, queried):
     """Issue #23: `from vllm import LLM` asks CUDA for the current device's properties (vLLM ->
-    transformers' quantizers -> torchao's mx_formats kernels -> torch's has_triton()), which on a
-    GPU host initialises CUDA, so vLLM spawns its engine core (importing vLLM again) instead of
-    forking it. The worker's import answers has_triton from the package while vLLM imports, then
-    puts the real one back."""
+    transformers' quantizers -> torchao's mx_formats kernels -> torch's has_triton() and
+    get_device_capability()), which on a GPU host initialises CUDA, so vLLM spawns its engine core
+    (importing vLLM again) instead of forking it. The worker's import answers has_triton from the
+    package and the capability from NVML while vLLM imports, then puts the real ones back. The probe
+    fakes a CUDA build on an H100 (the 2026-12-06d lease found the capability query this way after a
+    probe without `torch.version.cuda` had missed it)."""
     out = subprocess.run([sys.executable, "-c", DEVICE_QUERY_PROBE, how], env=dict(os.environ, PYTHONPATH=str(ROOT)),
                          capture_output=True, text=True, timeout=300)
     line = [x for x in out.stdout.splitlines() if x.startswith("QUERIES")]
@@ -335,4 +345,4 @@ def test_the_worker_imports_vllm_without_asking_cuda_for_a_device(how, queried):
     if queried and "get_device_properties" not in line[0]:
         pytest.skip("this vLLM/transformers/torchao set no longer asks for the device while vLLM imports")
     assert ("get_device_properties" in line[0]) is queried, line[0]
-    assert line[0].endswith("True")  # torch's has_triton is its own again
+    assert line[0].endswith("True")  # torch's has_triton and get_device_capability are its own again
