@@ -43,6 +43,8 @@ COMPOSE_ERRORS = {
                               "trainer.keep_cache: Value 'sometimes' is not a valid bool"),
     "compile_not_a_bool": (["trainer.compile=fast"], "trainer.compile: Value 'fast' is not a valid bool"),
     "unknown_kernels": (["trainer.kernels=flash"], "trainer.kernels='flash' must be one of auto, none, liger"),
+    "liger_compiled": (["trainer.kernels=liger", "trainer.compile=true"],
+                       "trainer.kernels='liger' cannot be combined with trainer.compile=true"),
     "unparsable_override": (["trainer.lr=="], "trainer.lr==: cannot parse this override"),
     "unknown_group_option": (["model=olmo3"], "model=olmo3: there is no config model/olmo3.yaml in "
                                               "the config search path. Choose one of olmo2, "),

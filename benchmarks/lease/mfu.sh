@@ -1,9 +1,10 @@
 # One call (~6 min): issue #24's training MFU. train_profile.py (a train step of the peer workload,
 # no engine) for colo_rl's defaults and each faster arm (Liger's kernels, compiled decoder layers,
-# both, a larger micro-batch); the fastest arm's overrides go to /tmp/best_train_arm.txt for peer24.sh.
+# a larger micro-batch; Liger with compile is refused since 2026-12-06d); the fastest arm's
+# overrides go to /tmp/best_train_arm.txt for peer24.sh.
 source benchmarks/lease/common.sh
 for arm in "default:" "liger:trainer.kernels=liger" "compile:trainer.compile=true" \
-           "liger_compile:trainer.kernels=liger trainer.compile=true" "liger_mb32:trainer.kernels=liger trainer.micro_batch_size=32"; do
+           "liger_mb32:trainer.kernels=liger trainer.micro_batch_size=32"; do
   name=${arm%%:*}; ov=${arm#*:}
   case $name in *compile*) limit=140;; *) limit=95;; esac
   echo "== $name ($ov)"

@@ -245,13 +245,15 @@ class GRPOTrainer:
         self.shape = ModelShape.of(model)  # before FSDP shards it; for perf/* (colo_rl/trainer/flops.py)
         self.last_step_flops = 0.0  # model FLOPs of the last train_step
         # Under LoRA the reference is the same model with its adapters disabled: no second copy.
-        # Copied before any kernel patch or compilation: it only runs forward, without grad.
+        # Copied before compilation (it only runs forward, without grad); given Liger's kernels below.
         self.reference = _frozen_copy(model) if cfg.kl_coef > 0 and not is_lora(model) else None
         # trainer.kernels=auto: Liger's on a GPU where they can run (colo_rl/trainer/kernels.py)
         model_type = getattr(getattr(model, "config", None), "model_type", None)
         self.kernels = resolve_kernels(cfg.kernels, device, model_type, cfg.compile)
         if self.kernels == "liger":
             apply_liger(model)
+            if self.reference is not None:  # the policy's forward computation, kernels included
+                apply_liger(self.reference)
         if cfg.compile:
             compile_layers(model)
         self.forward_model = _wrap(model, self.parallel, device)  # what runs forward/backward

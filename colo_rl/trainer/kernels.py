@@ -4,10 +4,10 @@ trainer.kernels=liger (and `auto`, the default, wherever it can run) swaps the H
 model's RMSNorm, SwiGLU MLP and rotary embedding for Liger's fused Triton kernels (liger-kernel,
 as TRL's `use_liger_kernel`): each of those is a chain of elementwise kernels in eager PyTorch,
 most of them reading and writing the whole activation in fp32. Liger's own instance patch leaves
-the attention's q/k norms (OLMo-2) as they were; they are patched here too. Its RoPE replaces the
-modeling module's function, so it holds for every model of that type in the process (the
-reference copy too: the same computation). The output head is left alone: colo_rl's chunked head
-(trainer.logprob_chunk) already avoids the full logits. H100, the 1B peer workload's train step:
+the attention's q/k norms (OLMo-2) as they were; they are patched here too. Its patch also rebinds
+names in the modeling module, which would reach every model of that type built later in the
+process; here only the patched model (and the KL reference, patched alike) runs them. The output
+head is left alone: colo_rl's chunked head (trainer.logprob_chunk) already avoids the full logits. H100, the 1B peer workload's train step:
 3.19 s eager, 2.24 s with Liger (benchmarks/RESULTS.md, 2026-12-06c).
 
 trainer.compile=true compiles each decoder layer with torch.compile (regional compilation: one
@@ -17,8 +17,13 @@ minutes) and fuses whatever elementwise work is left between the matmuls (2.57 s
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import inspect
+import sys
+import types
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -76,13 +81,36 @@ def _hf_model(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def apply_liger(model: torch.nn.Module) -> None:
-    """Patches `model` (in place) with Liger's kernels. LoRA layers stay peft's: the SwiGLU patch
-    calls the projections as modules."""
+    """Patches `model` (in place) with Liger's kernels, and nothing else in the process. LoRA
+    layers stay peft's: the SwiGLU patch calls the projections as modules.
+
+    Liger's patch for a model type also rebinds names in the modeling module (its RMSNorm and MLP
+    classes, apply_rotary_pos_emb), so every model of that type built afterwards in the process,
+    a `trainer.kernels=none` one or a CPU one included, would run Liger's kernels. Those names are
+    put back here; the module-level functions Liger swapped in (RoPE) reach this model's modules
+    that call them through a subclass whose forward sees Liger's function (same class name)."""
     from liger_kernel.transformers.monkey_patch import _apply_liger_kernel_to_instance, _patch_rms_norm_module
 
     hf = _hf_model(model)
-    _apply_liger_kernel_to_instance(model=hf, rope=True, rms_norm=True, swiglu=True,
-                                    cross_entropy=False, fused_linear_cross_entropy=False)
+    modeling = sys.modules[type(hf).__module__]
+    before = dict(vars(modeling))
+    try:
+        _apply_liger_kernel_to_instance(model=hf, rope=True, rms_norm=True, swiglu=True,
+                                        cross_entropy=False, fused_linear_cross_entropy=False)
+    finally:
+        swapped = {name: value for name, value in vars(modeling).items() if before.get(name) is not value}
+        for name in swapped:
+            if name in before:
+                setattr(modeling, name, before[name])
+            else:
+                delattr(modeling, name)
+    functions = tuple(sorted((name, fn) for name, fn in swapped.items()
+                             if inspect.isfunction(fn) and inspect.isfunction(before.get(name))))
+    for module in hf.modules():
+        forward = type(module).__dict__.get("forward")
+        if (functions and inspect.isfunction(forward) and forward.__globals__ is vars(modeling)
+                and any(name in forward.__code__.co_names for name, _ in functions)):
+            module.__class__ = _calling(type(module), functions)
     base = getattr(hf, hf.base_model_prefix, hf)
     final = getattr(base, "norm", None)
     if final is None or not hasattr(final, "casting_mode"):
@@ -90,6 +118,22 @@ def apply_liger(model: torch.nn.Module) -> None:
     for module in base.modules():  # the model's RMSNorm class left unpatched: q_norm, k_norm, ...
         if type(module) is type(final) and not hasattr(module, "casting_mode"):
             _patch_rms_norm_module(module, offset=final.offset, casting_mode=final.casting_mode, in_place=False)
+
+
+@functools.cache
+def _calling(cls: type, functions: tuple[tuple[str, Callable], ...]) -> type:
+    """A subclass of `cls`, named as it is, whose forward is cls.forward with the module-level
+    `functions` (name, function) in place of its module's: a per-instance patch of what forward
+    calls, which deep copies keep."""
+    forward = cls.forward
+    globals_ = {**forward.__globals__, **dict(functions)}
+    patched = types.FunctionType(forward.__code__, globals_, forward.__name__, forward.__defaults__,
+                                 forward.__closure__)
+    patched.__kwdefaults__ = forward.__kwdefaults__
+    functools.update_wrapper(patched, forward)
+    del patched.__wrapped__  # inspect.signature and Dynamo read the function itself
+    return type(cls.__name__, (cls,), {"forward": patched, "__module__": cls.__module__,
+                                       "__qualname__": cls.__qualname__, "__doc__": cls.__doc__})
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

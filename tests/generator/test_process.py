@@ -17,7 +17,6 @@ import textwrap
 import threading
 import time
 
-import psutil
 import pytest
 import torch
 

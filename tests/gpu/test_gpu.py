@@ -64,7 +64,8 @@ def free_gib() -> float:
 def new_trainer(model_dir: Path, dtype: str) -> GRPOTrainer:
     """A GRPO trainer on the GPU after one step, so that AdamW state exists to be offloaded."""
     model = load_policy(ModelConfig(dtype=dtype, embedded=SMALL), model_dir, "cuda")
-    trainer = GRPOTrainer(model, TrainerConfig(), pad_token_id=0, temperature=1.0,
+    # Hugging Face's own layers (no Liger): the reference the engine's log-probs are held to
+    trainer = GRPOTrainer(model, TrainerConfig(kernels="none"), pad_token_id=0, temperature=1.0,
                           max_tokens=SAMPLED.max_tokens, device="cuda")
     # The math attention kernel's backward is deterministic, so two trainers can be compared bit for bit.
     with sdpa_kernel(SDPBackend.MATH):

@@ -27,7 +27,8 @@ def test_a_bf16_lora_run_pushes_merged_weights_the_engine_agrees_with(tmp_path):
     before = engine_processes()
     train(compose_config(*small_run_overrides(
         tmp_path, "logger=none", "model.dtype=bfloat16", "generator.weight_sync=cuda_ipc",
-        "trainer.lora.rank=8", "trainer.lr=1e-2", "trainer.kl_coef=0.05")))
+        "trainer.lora.rank=8", "trainer.lr=1e-2", "trainer.kl_coef=0.05",
+        "sampling.logprobs_every=1")))  # the engine's log-probs on every step, for the gap below
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["train/step"] for r in records] == [0, 1, 2]
     for r in records:

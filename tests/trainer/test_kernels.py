@@ -11,7 +11,7 @@ from colo_rl.config import ConfigError, ModelConfig, TrainerConfig
 from colo_rl.models import load_policy, write_embedded_model
 from colo_rl.trainer import GRPOTrainer
 from colo_rl.trainer.grpo import grpo_loss
-from colo_rl.trainer.kernels import check_kernels, decoder_layers, resolve_kernels
+from colo_rl.trainer.kernels import apply_liger, check_kernels, decoder_layers, resolve_kernels
 
 PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
 GROUP = 2
@@ -91,3 +91,36 @@ def test_auto_picks_liger_only_where_it_can_run():
 def test_unknown_kernels_are_refused_naming_the_key():
     with pytest.raises(ConfigError, match="trainer.kernels"):
         TrainerConfig(kernels="flash")
+
+
+def test_liger_patches_the_model_it_is_given_and_no_other(model_dir):
+    """Liger's patch for OLMo-2 rebinds the modeling module's RMSNorm and MLP classes and its
+    apply_rotary_pos_emb, so every OLMo-2 built after it in the process ran Liger's kernels (a
+    `kernels=none` baseline on the GPU too, which is how the 2026-12-06d lease's GPU tests saw it).
+    Only patching is checked here: Liger's Triton kernels do not run on a CPU."""
+    import copy
+
+    from liger_kernel.transformers.rope import liger_rotary_pos_emb
+    from transformers.models.olmo2 import modeling_olmo2
+
+    names = ("apply_rotary_pos_emb", "Olmo2RMSNorm", "Olmo2MLP")
+    module_before = {name: getattr(modeling_olmo2, name) for name in names}
+    patched = load_policy(ModelConfig(), model_dir, "cpu")
+    apply_liger(patched)
+    assert {name: getattr(modeling_olmo2, name) for name in names} == module_before
+    layers = patched.config.num_hidden_layers
+    norms = [m for m in patched.modules() if hasattr(m, "casting_mode")]
+    assert len(norms) == 4 * layers + 1  # two per layer, q/k norms, the final one
+    for model in (patched, copy.deepcopy(patched)):  # the KL reference is a deep copy
+        attention = [m for m in model.modules() if isinstance(m, modeling_olmo2.Olmo2Attention)]
+        assert len(attention) == layers
+        assert all(type(m).__name__ == "Olmo2Attention" and type(m) is not modeling_olmo2.Olmo2Attention
+                   and type(m).forward.__globals__["apply_rotary_pos_emb"] is liger_rotary_pos_emb
+                   for m in attention)
+    plain = load_policy(ModelConfig(), model_dir, "cpu")  # built after the patch
+    assert not any(hasattr(m, "casting_mode") for m in plain.modules())
+    assert {type(m) for m in plain.modules() if "Attention" in type(m).__name__} == {modeling_olmo2.Olmo2Attention}
+    ids = torch.tensor([PROMPTS[0] + COMPLETIONS[0]])
+    with torch.no_grad():  # it runs on the CPU, as Hugging Face's model
+        torch.testing.assert_close(plain(input_ids=ids).logits,
+                                   load_policy(ModelConfig(), model_dir, "cpu")(input_ids=ids).logits)
