@@ -1,12 +1,13 @@
 """trainer.kernels=liger and trainer.compile on CUDA under trainer.precision=mixed (fp32 masters,
 bf16 autocast): the same log-probs, loss and gradients as the eager Hugging Face model to bf16
-rounding; every RMSNorm (the attention's q/k norms included) runs Liger's; AdamW is fused. Skips
-without CUDA; run on the lent GPU (benchmarks/README.md)."""
+rounding; every RMSNorm (the attention's q/k norms included) runs Liger's; AdamW is fused; the
+weights cast once per update give the same step bit for bit. Skips without CUDA; run on the lent GPU (benchmarks/README.md)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import Olmo2Config, Olmo2ForCausalLM
 
 from colo_rl.config import TrainerConfig
@@ -21,7 +22,7 @@ pytestmark = [
 VOCAB, B, PROMPT, COMPLETION, LAYERS = 4096, 8, 48, 80, 3
 
 
-def step(**cfg):
+def step(cast_once: bool = True, **cfg):
     torch.manual_seed(0)
     config = Olmo2Config(vocab_size=VOCAB, hidden_size=256, intermediate_size=1024, num_hidden_layers=LAYERS,
                          num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False)
@@ -29,6 +30,8 @@ def step(**cfg):
     trainer = GRPOTrainer(model, TrainerConfig(micro_batch_size=4, **{"kernels": "none", **cfg}), pad_token_id=0, temperature=0.8,
                           max_tokens=COMPLETION, device="cuda", autocast_dtype=torch.bfloat16)
     fused = trainer.optimizer.defaults.get("fused")
+    assert trainer.cast_once is not cfg.get("compile", False)
+    trainer.cast_once = trainer.cast_once and cast_once
     grads = {}
     trainer.optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     trainer.optimizer.step = lambda: grads.update(
@@ -56,3 +59,17 @@ def test_faster_kernels_give_the_eager_models_step_to_bf16_rounding(cfg):
     for name in eager_grads:
         a, b = eager_grads[name], grads[name]
         assert torch.nn.functional.cosine_similarity(a.flatten().float(), b.flatten().float(), dim=0) > 0.99, name
+
+
+def test_weights_cast_once_per_update_give_the_same_step_bit_for_bit():
+    """compute_copies (the decoder layers' weights in bf16 once per update, each gradient added into
+    the fp32 .grad in one pass) against autocast's cast in every micro-batch: the same log-probs,
+    loss and gradients, bit for bit (the math attention kernel: its backward is deterministic)."""
+    with sdpa_kernel(SDPBackend.MATH):
+        _, _, per_micro_stats, per_micro_lp, per_micro_grads = step(cast_once=False)
+        _, _, stats, logprobs, grads = step()
+    assert torch.equal(logprobs, per_micro_lp)
+    assert stats["loss"] == per_micro_stats["loss"] and stats["grad_norm"] == per_micro_stats["grad_norm"]
+    assert grads.keys() == per_micro_grads.keys()
+    for name, grad in per_micro_grads.items():
+        assert grad.dtype == torch.float32 and torch.equal(grads[name], grad), name

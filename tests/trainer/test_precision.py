@@ -175,3 +175,40 @@ def test_a_bf16_run_trains_fp32_masters_at_lr_1e_6(tmp_path, bf16_engine, bf16_m
     assert next(trained.parameters()).dtype == torch.float32
     before = {n: p.detach().clone() for n, p in start.named_parameters()}
     assert changed_fraction(before, trained) >= 0.9
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["stored", "recomputed"])
+def test_compute_copies_give_autocasts_gradients_bit_for_bit(tmp_path, checkpointing):
+    """Mixed precision casts the decoder layers' weights to bf16 once per update (compute_copies),
+    not in every micro-batch's forward, and adds each bf16 weight gradient into the fp32 .grad in
+    one pass: the gradients after several micro-batches are autocast's own, bit for bit (CPU
+    autocast here; the GPU test compares a whole trainer update), with activations recomputed in
+    backward too. The masters are the model's parameters again afterwards."""
+    from colo_rl.trainer.grpo import compute_copies
+
+    model_dir = write_embedded_model(ModelConfig(), tmp_path / "model")
+    g = torch.Generator().manual_seed(0)
+    micro_batches = [torch.randint(3, 60, (3, 9), generator=g) for _ in range(3)]
+
+    def accumulate(dtype):
+        model = load_policy(ModelConfig(), model_dir, "cpu")
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.train()
+        masters = dict(model.named_parameters())
+        with compute_copies(model, dtype):
+            computed_in = {p.dtype for n, p in model.named_parameters() if "layers." in n and p.dim() == 2}
+            for ids in micro_batches:
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    logits = model(input_ids=ids).logits
+                logits.float().log_softmax(-1)[..., 5:9].mean().backward()
+        assert all(p is masters[n] for n, p in model.named_parameters())
+        assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in masters.values())
+        return computed_in, {n: p.grad for n, p in masters.items()}
+
+    autocast_in, autocast_grads = accumulate(None)
+    copies_in, copies_grads = accumulate(torch.bfloat16)
+    assert autocast_in == {torch.float32} and copies_in == {torch.bfloat16}
+    assert autocast_grads.keys() == copies_grads.keys()
+    for name, grad in autocast_grads.items():
+        assert torch.equal(copies_grads[name], grad), name
