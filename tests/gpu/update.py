@@ -1,0 +1,56 @@
+"""One GRPO update of a small random OLMo-2 on CUDA under mixed precision (fp32 masters, bf16
+autocast), for the GPU tests that compare two ways of computing it: what it returns is what they
+compare (log-probs, loss statistics, gradients, the peak memory it allocated)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import Olmo2Config, Olmo2ForCausalLM
+
+from colo_rl.config import TrainerConfig
+from colo_rl.trainer import GRPOTrainer
+
+
+@dataclass
+class Update:
+    trainer: GRPOTrainer
+    stats: dict
+    logprobs: torch.Tensor  # the pre-update log-probs of every real response token
+    grads: dict[str, torch.Tensor]  # the fp32 gradient of every parameter that got one
+    peak_bytes: int  # allocated during the update, above what was allocated before it
+
+
+def olmo2_update(cfg: TrainerConfig, *, vocab: int, layers: int, batch: int, prompt: int, completion: int,
+                 shorter_by: int, cast_once: bool = True) -> Update:
+    """The update of `batch` random sequences (prompt tokens, then completion - shorter_by * i
+    response tokens for sequence i) with advantages from -0.5 to 1. The optimizer is SGD at lr 0
+    that records the gradients, so two calls start from the same seeded model and data.
+    cast_once=False casts the weights in every micro-batch, as autocast does (see compute_copies)."""
+    torch.manual_seed(0)
+    config = Olmo2Config(vocab_size=vocab, hidden_size=256, intermediate_size=1024, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False)
+    model = Olmo2ForCausalLM(config).cuda()  # fp32 masters
+    trainer = GRPOTrainer(model, cfg, pad_token_id=0, temperature=0.8, max_tokens=completion, device="cuda",
+                          autocast_dtype=torch.bfloat16)
+    trainer.cast_once = trainer.cast_once and cast_once
+    own = trainer.optimizer
+    grads = {}
+    trainer.optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    trainer.optimizer.step = lambda: grads.update(
+        {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
+    g = torch.Generator().manual_seed(1)
+    prompts = torch.randint(1, vocab, (batch, prompt), generator=g).tolist()
+    completions = [torch.randint(1, vocab, (completion - shorter_by * i,), generator=g).tolist()
+                   for i in range(batch)]
+    micro = trainer._micro_batches(prompts, completions, torch.linspace(-0.5, 1, batch), None)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    stats, before = trainer._update(micro, None, [None] * len(micro), float(batch * completion))
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    trainer.optimizer = own  # for the tests that look at the trainer's own
+    logprobs = torch.cat([b[mb.mask.bool()] for b, mb in zip(before, micro)])
+    return Update(trainer, stats, logprobs, grads, peak)
