@@ -58,6 +58,8 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="olmo2_1b_shape")
     p.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up step")
     p.add_argument("--smoke", action="store_true", help="CPU: the tiny model, 4 prompts x 2 x 16 tokens")
+    p.add_argument("--per-micro-batch-casts", action="store_true",
+                   help="autocast casts the weights in every micro-batch (no compute copies): the A/B")
     p.add_argument("overrides", nargs="*", help="Hydra overrides (after --)")
     args = p.parse_args(argv)
 
@@ -87,6 +89,8 @@ def main(argv=None) -> int:
     trainer = GRPOTrainer(policy, settings.trainer, pad_token_id=0, temperature=settings.sampling.temperature,
                           max_tokens=completion_len, device=device,
                           autocast_dtype=DTYPES[settings.model.dtype] if mixed else None)
+    if args.per_micro_batch_casts:
+        trainer.copies = None
     vocab = policy.config.vocab_size
     cuda = device.startswith("cuda")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -107,7 +111,7 @@ def main(argv=None) -> int:
     peak = peak_tflops(settings.trainer.peak_tflops, torch.device(device))
     result = {"model": model, "overrides": args.overrides, "device": torch.cuda.get_device_name() if cuda else "cpu",
               "torch": torch.__version__, "precision": trainer_precision(settings), "kernels": trainer.kernels,
-              "compile": settings.trainer.compile,
+              "compile": settings.trainer.compile, "weight_copies": trainer.copies,
               "warmup_step_s": warmup_s, "step_s": times, "median_step_s": median,
               "model_tflop_per_step": trainer.last_step_flops / 1e12,
               **perf_metrics(trainer.last_step_flops, median, peak)}

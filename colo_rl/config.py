@@ -233,6 +233,12 @@ class TrainerConfig:
     # on a CPU); the engine gets the masters cast to model.dtype at every push. pure: everything in
     # model.dtype; under bf16 an AdamW step of ~lr rounds away for most weights at lr 1e-6.
     precision: str = "auto"
+    # Under trainer.precision=mixed on a GPU. true (TRL's default: torch autocast): the activations
+    # between the matmuls (residual stream, norms, what backward keeps) stay fp32. false (verl's
+    # FSDP and Megatron's default): the whole model computes in model.dtype from weight copies made
+    # once per update, the gradients still summed into the fp32 masters: fewer bytes moved and
+    # kept, at the rounding of a 16-bit residual stream.
+    fp32_activations: bool = True
     # adamw: torch AdamW, state in the trainer's dtype. adamw_8bit: bitsandbytes' block-wise 8-bit
     # AdamW (2 bytes of state per parameter instead of 8). adamw_bf16_sr: torchao's AdamW with bf16
     # state and stochastic rounding of bf16 parameters (trainer.precision=pure, model.dtype=bfloat16).

@@ -42,6 +42,8 @@ COMPOSE_ERRORS = {
     "keep_cache_not_a_bool": (["trainer.keep_cache=sometimes"],
                               "trainer.keep_cache: Value 'sometimes' is not a valid bool"),
     "compile_not_a_bool": (["trainer.compile=fast"], "trainer.compile: Value 'fast' is not a valid bool"),
+    "fp32_activations_not_a_bool": (["trainer.fp32_activations=half"],
+                                    "trainer.fp32_activations: Value 'half' is not a valid bool"),
     "unknown_kernels": (["trainer.kernels=flash"], "trainer.kernels='flash' must be one of auto, none, liger"),
     "liger_compiled": (["trainer.kernels=liger", "trainer.compile=true"],
                        "trainer.kernels='liger' cannot be combined with trainer.compile=true"),

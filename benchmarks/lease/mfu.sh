@@ -1,14 +1,18 @@
-# One call (~6 min): issue #24's training MFU. train_profile.py (a train step of the peer workload,
-# no engine) for colo_rl's defaults and each faster arm (Liger's kernels, compiled decoder layers,
-# a larger micro-batch; Liger with compile is refused since 2026-12-06d); the fastest arm's
-# overrides go to /tmp/best_train_arm.txt for peer24.sh.
+# One call (~7 min): issue #24's training MFU. train_profile.py (a train step of the peer workload,
+# no engine) for colo_rl's defaults (since 2026-12-06d: Liger, the decoder layers' weights cast once
+# per update) and each faster arm: autocast's per-micro-batch casts (the A/B of compute_copies),
+# bf16 activations (trainer.fp32_activations=false), a larger micro-batch (compiled layers: 2.57 s
+# on 2026-12-06c, slower than Liger; not rerun).
+# The fastest arm's overrides go to /tmp/best_train_arm.txt for peer24.sh.
 source benchmarks/lease/common.sh
-for arm in "default:" "liger:trainer.kernels=liger" "compile:trainer.compile=true" \
-           "liger_mb32:trainer.kernels=liger trainer.micro_batch_size=32"; do
+for arm in "default:" "per_micro_casts:--per-micro-batch-casts" \
+           "bf16_act:trainer.fp32_activations=false" "mb32:trainer.micro_batch_size=32" \
+           "bf16_act_mb32:trainer.fp32_activations=false trainer.micro_batch_size=32"; do
   name=${arm%%:*}; ov=${arm#*:}
   case $name in *compile*) limit=140;; *) limit=95;; esac
   echo "== $name ($ov)"
-  timeout $limit python benchmarks/train_profile.py --steps 2 --out $OUT/train_profile_$name.json -- generator.max_model_len=512 $ov 2>&1 \
+  flags=""; case $ov in --*) flags=$ov; ov="";; esac
+  timeout $limit python benchmarks/train_profile.py --steps 2 $flags --out $OUT/train_profile_$name.json -- generator.max_model_len=512 $ov 2>&1 \
     | grep "train_profile\]\|Error\|error" | head -16
 done
 python - <<'PY'

@@ -271,11 +271,11 @@ class GRPOTrainer:
         self.autocast_dtype = autocast_dtype if self.device.type == "cuda" else None
         if all(p.dtype == self.autocast_dtype for p in trainable):
             self.autocast_dtype = None  # computing in the parameters' own dtype needs no autocast
-        # Under autocast, the decoder layers' matmul weights are cast to the compute dtype once per
-        # update, not in every micro-batch's forward (see compute_copies). Not where other code
-        # holds the parameters (DDP/FSDP hooks, compiled graphs, peft's adapters).
-        self.cast_once = (self.autocast_dtype is not None and not self.parallel.enabled
-                          and not cfg.compile and not is_lora(model))
+        # Under autocast, weights are cast to the compute dtype once per update, not in every
+        # micro-batch's forward (see compute_copies): the decoder layers' matmul weights, or with
+        # trainer.fp32_activations=false every weight but the output head's.
+        self.copies = copies_scope(self.autocast_dtype, self.parallel, cfg.compile, is_lora(model),
+                                   cfg.fp32_activations)
         self.step_count = 0
 
     def train_step(self, prompt_ids: list[list[int]], completion_ids: list[list[int]],
@@ -298,7 +298,9 @@ class GRPOTrainer:
                                     completion_ids, advantages, engine_logprobs)
         lengths = torch.tensor([len(c) for c in completion_ids])
         normalizer = self._global_normalizer(lengths)
-        ref = [self._reference_logprobs(mb) for mb in micro]
+        # the reference computes as the policy does (with the same weight copies)
+        with compute_copies(self.reference, self.autocast_dtype, self.copies if self.reference is not None else None):
+            ref = [self._reference_logprobs(mb) for mb in micro]
         old = None
         updates = []
         for _ in range(self.cfg.updates_per_batch):
@@ -379,7 +381,7 @@ class GRPOTrainer:
         the GPU once per update, so it queues each micro-batch's kernels while the last one runs."""
         sums = torch.zeros(4, dtype=torch.float64, device=self.device)  # loss, clip, kl, tokens
         logprobs_before = []
-        with compute_copies(self.model, self.autocast_dtype if self.cast_once else None):
+        with compute_copies(self.model, self.autocast_dtype, self.copies):
             self._accumulate(micro, old, ref, normalizer, sums, logprobs_before)
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
         if hasattr(norm, "full_tensor"):  # FSDP: the norm over all shards, as a DTensor
@@ -600,40 +602,63 @@ def _chunked_head(model: torch.nn.Module, mb: _MicroBatch, temperature: float, c
             del head.forward  # back to the class's forward
 
 
+def copies_scope(autocast_dtype: Optional[torch.dtype], parallel: Parallel, compile: bool, lora: bool,
+                 fp32_activations: bool) -> Optional[str]:
+    """What compute_copies copies in this trainer: None (autocast casts in every forward) without
+    autocast, and where other code holds the parameters (DDP/FSDP hooks, compiled graphs, peft's
+    adapters); else "matmul", or "all" under trainer.fp32_activations=false."""
+    if autocast_dtype is None or parallel.enabled or compile or lora:
+        return None
+    return "matmul" if fp32_activations else "all"
+
+
 @contextmanager
-def compute_copies(model: torch.nn.Module, dtype: Optional[torch.dtype]):
-    """While active, each nn.Linear weight of `model`'s decoder layers is a `dtype` copy made on
-    entry (dtype None: nothing changes), whose gradient is added into the fp32 master's .grad by a
-    hook as soon as each backward produces it; on exit the masters are the layers' weights again.
+def compute_copies(model: Optional[torch.nn.Module], dtype: Optional[torch.dtype], scope: Optional[str]):
+    """While active, weights of `model` are `dtype` copies made on entry, whose gradients are added
+    into the fp32 masters' .grad by a hook as soon as each backward produces them; on exit the
+    masters are the model's parameters again. scope "matmul": each nn.Linear weight of the decoder
+    layers; "all": every floating parameter but the output head's, so that the model computes in
+    `dtype` throughout (the residual stream, the norms); None: nothing changes.
 
     Autocast casts every fp32 weight to bf16 in each micro-batch's forward and, in backward, each
     bf16 weight gradient to fp32 before adding it to .grad: two passes over 6 bytes a parameter per
     micro-batch, on top of the accumulation (H100, the 1B peer workload's train step: 0.13 s of
     weight casts, 0.16 s of gradient casts of 2.24 s). Here the cast happens once per update and
-    the gradient is upcast inside the add. The values are the same: the copy is autocast's cast of
-    the same weight (autocast leaves a weight already in its dtype alone), and upcasting bf16 to
-    fp32 is exact, so each addition is the one AccumulateGrad made. Only weights used once per
-    forward (the decoder layers' projections): a weight used twice would sum its two gradients in
-    bf16 before the hook. The output head (used once per chunk of the chunked head) stays as it is."""
-    if dtype is None:
+    the gradient is upcast inside the add. Under "matmul" the values are autocast's: the copy is
+    autocast's cast of the same weight (autocast leaves a weight already in its dtype alone), and
+    upcasting bf16 to fp32 is exact, so each addition is the one AccumulateGrad made. Only weights
+    used once per forward: one used twice (tied, or the output head under the chunked head, once
+    per chunk) would have its two gradients summed in bf16 before the hook."""
+    if model is None or dtype is None or scope is None:
         yield
         return
-    swapped, seen = [], set()
-    for layer in decoder_layers(model):
-        for module in layer.modules():
-            master = getattr(module, "weight", None)
-            if (isinstance(module, torch.nn.Linear) and type(master) is torch.nn.Parameter and master.requires_grad
-                    and master.dtype != dtype and id(master) not in seen):
-                seen.add(id(master))
-                copy_ = torch.nn.Parameter(master.detach().to(dtype))
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    modules = ([m for layer in decoder_layers(model) for m in layer.modules() if isinstance(m, torch.nn.Linear)]
+               if scope == "matmul" else [m for m in model.modules() if m is not head])
+    uses: dict[int, int] = {}
+    for module in model.modules():
+        for param in module._parameters.values():
+            if param is not None:
+                uses[id(param)] = uses.get(id(param), 0) + 1
+    if head is not None:
+        for param in head.parameters():
+            uses[id(param)] = uses.get(id(param), 0) + 1  # never copied, nor anything tied to it
+    swapped = []
+    for module in dict.fromkeys(modules):
+        for name, master in list(module._parameters.items()):
+            if (type(master) is not torch.nn.Parameter or not master.is_floating_point()
+                    or master.dtype == dtype or uses[id(master)] != 1):
+                continue
+            copy_ = torch.nn.Parameter(master.detach().to(dtype), requires_grad=master.requires_grad)
+            if master.requires_grad:
                 copy_.register_post_accumulate_grad_hook(_grad_into(master))
-                module._parameters["weight"] = copy_
-                swapped.append((module, master))
+            module._parameters[name] = copy_
+            swapped.append((module, name, master))
     try:
         yield
     finally:
-        for module, master in swapped:
-            module._parameters["weight"] = master
+        for module, name, master in swapped:
+            module._parameters[name] = master
 
 
 def _grad_into(master: torch.nn.Parameter):

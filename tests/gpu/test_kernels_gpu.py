@@ -1,7 +1,8 @@
 """trainer.kernels=liger and trainer.compile on CUDA under trainer.precision=mixed (fp32 masters,
 bf16 autocast): the same log-probs, loss and gradients as the eager Hugging Face model to bf16
-rounding; every RMSNorm (the attention's q/k norms included) runs Liger's; AdamW is fused; the
-weights cast once per update give the same step bit for bit. Skips without CUDA; run on the lent GPU (benchmarks/README.md)."""
+rounding, and so does trainer.fp32_activations=false; every RMSNorm (the attention's q/k norms
+included) runs Liger's; AdamW is fused; the weights cast once per update give the same step bit
+for bit. Skips without CUDA; run on the lent GPU (benchmarks/README.md)."""
 
 from __future__ import annotations
 
@@ -27,11 +28,13 @@ def step(cast_once: bool = True, **cfg) -> Update:
                         batch=8, prompt=48, completion=80, shorter_by=5, cast_once=cast_once)
 
 
-@pytest.mark.parametrize("cfg", [{"kernels": "liger"}, {"compile": True}], ids=["liger", "compile"])
+@pytest.mark.parametrize("cfg", [{"kernels": "liger"}, {"compile": True}, {"fp32_activations": False}],
+                         ids=["liger", "compile", "bf16_activations"])
 def test_faster_kernels_give_the_eager_models_step_to_bf16_rounding(cfg):
     eager, fast = step(), step(**cfg)
     assert fast.trainer.optimizer.defaults.get("fused") is True
-    assert fast.trainer.cast_once is not cfg.get("compile", False)  # compiled layers keep autocast's casts
+    # compiled layers keep autocast's casts; bf16 activations copy every weight but the head's
+    assert fast.trainer.copies == (None if cfg.get("compile") else "all" if "fp32_activations" in cfg else "matmul")
     if cfg.get("kernels") == "liger":
         norms = [m for m in fast.trainer.model.modules() if type(m).__name__ == "Olmo2RMSNorm"]
         assert len(norms) == 4 * LAYERS + 1 and all(hasattr(m, "casting_mode") for m in norms)
@@ -49,7 +52,7 @@ def test_weights_cast_once_per_update_give_the_same_step_bit_for_bit():
     loss and gradients, bit for bit (the math attention kernel: its backward is deterministic)."""
     with sdpa_kernel(SDPBackend.MATH):
         per_micro, once = step(cast_once=False), step()
-    assert once.trainer.cast_once and not per_micro.trainer.cast_once
+    assert once.trainer.copies == "matmul" and per_micro.trainer.copies is None
     assert torch.equal(once.logprobs, per_micro.logprobs)
     assert once.stats["loss"] == per_micro.stats["loss"] and once.stats["grad_norm"] == per_micro.stats["grad_norm"]
     assert once.grads.keys() == per_micro.grads.keys()

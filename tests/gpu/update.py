@@ -34,7 +34,8 @@ def olmo2_update(cfg: TrainerConfig, *, vocab: int, layers: int, batch: int, pro
     model = Olmo2ForCausalLM(config).cuda()  # fp32 masters
     trainer = GRPOTrainer(model, cfg, pad_token_id=0, temperature=0.8, max_tokens=completion, device="cuda",
                           autocast_dtype=torch.bfloat16)
-    trainer.cast_once = trainer.cast_once and cast_once
+    if not cast_once:
+        trainer.copies = None
     own = trainer.optimizer
     grads = {}
     trainer.optimizer = torch.optim.SGD(model.parameters(), lr=0.0)

@@ -177,38 +177,78 @@ def test_a_bf16_run_trains_fp32_masters_at_lr_1e_6(tmp_path, bf16_engine, bf16_m
     assert changed_fraction(before, trained) >= 0.9
 
 
+MICRO_BATCHES = [torch.randint(3, 60, (3, 9), generator=torch.Generator().manual_seed(0)) for _ in range(3)]
+
+
+def backward_each(model: torch.nn.Module, checkpointing: bool, each=lambda: None) -> None:
+    """Forward and backward of each of MICRO_BATCHES under CPU bf16 autocast; each() after each."""
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+    for ids in MICRO_BATCHES:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(input_ids=ids).logits
+        logits.float().log_softmax(-1)[..., 5:9].mean().backward()
+        each()
+
+
+def summed_in_fp32(model: torch.nn.Module, checkpointing: bool) -> dict[str, torch.Tensor]:
+    """The gradients of MICRO_BATCHES, each micro-batch's (in its parameter's dtype) summed in fp32
+    as AccumulateGrad sums autocast's fp32 ones."""
+    total: dict[str, torch.Tensor] = {}
+
+    def add() -> None:
+        for name, p in model.named_parameters():
+            grad = p.grad.to(torch.float32)
+            total[name] = grad if name not in total else total[name].add_(grad)
+        model.zero_grad(set_to_none=True)
+
+    backward_each(model, checkpointing, add)
+    return total
+
+
+@pytest.mark.parametrize("scope", ["matmul", "all"])
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["stored", "recomputed"])
-def test_compute_copies_give_autocasts_gradients_bit_for_bit(tmp_path, checkpointing):
-    """Mixed precision casts the decoder layers' weights to bf16 once per update (compute_copies),
-    not in every micro-batch's forward, and adds each bf16 weight gradient into the fp32 .grad in
-    one pass: the gradients after several micro-batches are autocast's own, bit for bit (CPU
-    autocast here; the GPU test compares a whole trainer update), with activations recomputed in
-    backward too. The masters are the model's parameters again afterwards."""
+def test_compute_copies_give_the_gradients_of_the_model_they_emulate_bit_for_bit(tmp_path, checkpointing, scope):
+    """Mixed precision casts weights to bf16 once per update (compute_copies), not in every
+    micro-batch's forward, and adds each bf16 weight gradient into the fp32 .grad in one pass.
+    scope "matmul" (trainer.fp32_activations=true): the gradients are autocast's own on the fp32
+    model, bit for bit. "all" (false): those of the model with every weight but the output head in
+    bf16 (verl's and Megatron's mixed precision), summed over micro-batches in fp32. With
+    activations recomputed in backward too; the masters are the model's parameters afterwards. CPU
+    autocast here; tests/gpu/test_kernels_gpu.py compares whole trainer updates on CUDA."""
     from colo_rl.trainer.grpo import compute_copies
 
     model_dir = write_embedded_model(ModelConfig(), tmp_path / "model")
-    g = torch.Generator().manual_seed(0)
-    micro_batches = [torch.randint(3, 60, (3, 9), generator=g) for _ in range(3)]
+    emulated = load_policy(ModelConfig(), model_dir, "cpu")
+    if scope == "all":
+        for name, p in emulated.named_parameters():
+            if not name.startswith("lm_head."):
+                p.data = p.data.to(torch.bfloat16)
+    expected = summed_in_fp32(emulated, checkpointing)
 
-    def accumulate(dtype):
-        model = load_policy(ModelConfig(), model_dir, "cpu")
-        if checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            model.train()
-        masters = dict(model.named_parameters())
-        with compute_copies(model, dtype):
-            computed_in = {p.dtype for n, p in model.named_parameters() if "layers." in n and p.dim() == 2}
-            for ids in micro_batches:
-                with torch.autocast("cpu", dtype=torch.bfloat16):
-                    logits = model(input_ids=ids).logits
-                logits.float().log_softmax(-1)[..., 5:9].mean().backward()
-        assert all(p is masters[n] for n, p in model.named_parameters())
-        assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in masters.values())
-        return computed_in, {n: p.grad for n, p in masters.items()}
+    model = load_policy(ModelConfig(), model_dir, "cpu")
+    masters = dict(model.named_parameters())
+    with compute_copies(model, torch.bfloat16, scope):
+        computed_in = {n: p.dtype for n, p in model.named_parameters()}
+        backward_each(model, checkpointing)
+    assert all(p is masters[n] for n, p in model.named_parameters())
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in masters.values())
+    assert {n for n, d in computed_in.items() if d == torch.bfloat16} == (
+        {n for n in masters if ".layers." in n and n.endswith("proj.weight")} if scope == "matmul"
+        else {n for n in masters if not n.startswith("lm_head.")})
+    assert expected.keys() == masters.keys()
+    for name, grad in expected.items():
+        assert torch.equal(masters[name].grad, grad), name
 
-    autocast_in, autocast_grads = accumulate(None)
-    copies_in, copies_grads = accumulate(torch.bfloat16)
-    assert autocast_in == {torch.float32} and copies_in == {torch.bfloat16}
-    assert autocast_grads.keys() == copies_grads.keys()
-    for name, grad in autocast_grads.items():
-        assert torch.equal(copies_grads[name], grad), name
+
+def test_weight_copies_are_made_only_where_nothing_else_holds_the_parameters():
+    from colo_rl.parallel import Parallel
+    from colo_rl.trainer.grpo import copies_scope
+
+    single, bf16 = Parallel.single(), torch.bfloat16
+    assert copies_scope(bf16, single, compile=False, lora=False, fp32_activations=True) == "matmul"
+    assert copies_scope(bf16, single, compile=False, lora=False, fp32_activations=False) == "all"
+    assert copies_scope(None, single, compile=False, lora=False, fp32_activations=False) is None  # no autocast
+    assert copies_scope(bf16, single, compile=True, lora=False, fp32_activations=True) is None  # compiled graphs
+    assert copies_scope(bf16, single, compile=False, lora=True, fp32_activations=True) is None  # peft's adapters
