@@ -328,7 +328,8 @@ def _build_trainer(settings: RunConfig, policy: torch.nn.Module, device: str, pa
                           restore_while_awake=t.restore_while_awake)
     stages.mark("policy", f"policy of {sum(p.numel() for p in policy.parameters()) / 1e6:.2f} M parameters "
                           f"on {device} in {str(next(policy.parameters()).dtype).removeprefix('torch.')}, "
-                          f"{t.optimizer} optimizer" + (", Liger's kernels" if trainer.kernels == "liger" else ""))
+                          f"{t.optimizer} optimizer" + (", Liger's kernels" if trainer.kernels == "liger" else "")
+                          + (f", computing in {settings.model.dtype} throughout" if trainer.copies == "all" else ""))
     start_step = 0
     if t.resume:
         # its config, checksums and step count were checked before the engine was spawned

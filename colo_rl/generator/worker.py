@@ -30,6 +30,9 @@ FLAT_LOGPROBS = os.environ.get("COLO_RL_FLAT_LOGPROBS", "1") != "0"
 # process. vLLM forks its engine core only when CUDA is not initialised here; otherwise the core is
 # spawned and imports vLLM again (18 s on the H100). import_vllm_without_cuda says what did.
 TRACE_CUDA_INIT = os.environ.get("COLO_RL_TRACE_CUDA_INIT") == "1"
+# For issue #23: COLO_RL_AOT_REBUILD=1 lets vLLM save its AOT compiled model on the Transformers
+# backend (colo_rl/generator/aot.py), so a warm start loads it instead of tracing again.
+AOT_REBUILD = os.environ.get("COLO_RL_AOT_REBUILD") == "1"
 
 
 class Shutdown(BaseException):
@@ -240,6 +243,11 @@ class EngineServer:
             kwargs.setdefault("enable_chunked_prefill", False)
         kwargs.setdefault("worker_extension_cls", "colo_rl.generator.extension.WeightSyncExtension")
         cache_package_model_info()
+        if AOT_REBUILD:
+            from colo_rl.generator import aot
+
+            print(f"colo_rl worker: AOT rebuild of wrapped functions {'on' if aot.install() else 'not needed'}",
+                  flush=True)
         self.llm = LLM(**kwargs)
         if self.sleep_supported:
             self.llm.sleep(level=sleep_level)  # start asleep: the trainer has the GPU
