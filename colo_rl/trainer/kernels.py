@@ -7,8 +7,10 @@ most of them reading and writing the whole activation in fp32. Liger's own insta
 the attention's q/k norms (OLMo-2) as they were; they are patched here too. Its patch also rebinds
 names in the modeling module, which would reach every model of that type built later in the
 process; here only the patched model (and the KL reference, patched alike) runs them. The output
-head is left alone: colo_rl's chunked head (trainer.logprob_chunk) already avoids the full logits. H100, the 1B peer workload's train step:
-3.19 s eager, 2.24 s with Liger (benchmarks/RESULTS.md, 2026-12-06c).
+head is left alone: colo_rl's chunked head (trainer.logprob_chunk) already avoids the full logits.
+H100, the 1B peer workload's train step: 3.19 s eager, 2.24 s with Liger (benchmarks/RESULTS.md,
+2026-12-06c). trainer.kernels=liger with trainer.compile=true is refused (TrainerConfig): Dynamo
+does not trace Liger's Triton kernels, and such a model's log-probs were off by up to 1.2.
 
 trainer.compile=true compiles each decoder layer with torch.compile (regional compilation: one
 layer's code is compiled once and reused by all of them, so the first step pays seconds, not
