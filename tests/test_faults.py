@@ -22,7 +22,7 @@ import psutil
 import pytest
 import torch
 
-from colo_rl.config import ConfigError, GeneratorConfig, SamplingConfig
+from colo_rl.config import ConfigError, GeneratorConfig
 from colo_rl.generator import GeneratorError, VLLMGenerator
 from colo_rl.generator.process import group_members
 from colo_rl.generator.worker import FAULT_ENV
@@ -235,7 +235,7 @@ def test_a_raising_reward_leaves_a_checkpoint_and_resumes_continue_metrics_witho
         with pytest.raises(RewardError, match="raising_reward:raising raised ZeroDivisionError at step 3"):
             train(compose_config(*small_run_overrides(tmp_path, *run)), engine)
     checkpoint = tmp_path / "checkpoint"
-    assert f"RewardError after 3 steps; checkpoint of the last applied step (3)" in caplog.text
+    assert "RewardError after 3 steps; checkpoint of the last applied step (3)" in caplog.text
     assert f"resume with trainer.resume={checkpoint}" in caplog.text
     assert [r["train/step"] for r in read_metrics(tmp_path)] == [0, 1, 2]
     older = tmp_path / "step3"
