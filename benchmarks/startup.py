@@ -29,6 +29,22 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
+def engine_log_facts(engine_log: str) -> dict:
+    """What vLLM's log says about the start (issue #23): whether its engine core was spawned (a
+    second import of vLLM) rather than forked, Dynamo's tracing and torch.compile's seconds, and
+    whether the AOT-compiled model was saved or loaded (vLLM 0.26 on a GPU; absent on a CPU)."""
+    def seconds(pattern: str) -> float | None:
+        found = re.search(pattern, engine_log)
+        return float(found.group(1)) if found else None
+
+    return {"engine_core_spawned": "We must use the `spawn` multiprocessing start method" in engine_log,
+            "dynamo_s": seconds(r"Dynamo bytecode transform time: ([0-9.]+) s"),
+            "torch_compile_s": seconds(r"torch.compile took ([0-9.]+) s in total"),
+            "aot_saved": "saved AOT compiled function" in engine_log,
+            "aot_loaded": "Directly load AOT compilation" in engine_log,
+            "aot_save_failed": "unable to save AOT compiled function" in engine_log}
+
+
 def one_run(overrides: list[str], output_dir: Path) -> dict:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     shutil.rmtree(output_dir, ignore_errors=True)  # --work-dir: an earlier call's run
@@ -50,6 +66,7 @@ def one_run(overrides: list[str], output_dir: Path) -> dict:
     imported = re.search(r"colo_rl worker: vLLM imported in ([0-9.]+) s", engine_log)
     return {"worker_spawned_at_start": imported is not None,  # colo_rl.generator.process.prespawn
             "worker_vllm_import_s": float(imported.group(1)) if imported else None,
+            **engine_log_facts(engine_log),
             "setup": {k.removeprefix("setup/"): round(v, 2) for k, v in first.items() if k.startswith("setup/")},
             "engine_start_s": round(first.get("timing/server_start_s", float("nan")), 2),
             "first_step_s": round(first["timing/step_s"], 2),

@@ -8,5 +8,5 @@
 source benchmarks/lease/common.sh
 bash benchmarks/lease/cuda_init.sh 2>&1 | tail -8
 timeout 360 python benchmarks/startup.py --runs 2 --peer --work-dir /tmp/su --out $OUT/startup.json -- trainer.checkpoint_final=false 2>&1 | grep "^{" | tail -3
-grep -h "multiprocessing start method\|vLLM imported in" /tmp/su/*/engine.log 2>/dev/null | cut -c1-160
+grep -h "multiprocessing start method\|vLLM imported in\|Dynamo bytecode\|torch.compile took" /tmp/su/*/engine.log 2>/dev/null | cut -c1-160
 pack /tmp/su su_logs.tgz
