@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Optional
@@ -299,7 +300,7 @@ class GRPOTrainer:
         lengths = torch.tensor([len(c) for c in completion_ids])
         normalizer = self._global_normalizer(lengths)
         # the reference computes as the policy does (with the same weight copies)
-        with compute_copies(self.reference, self.autocast_dtype, self.copies if self.reference is not None else None):
+        with compute_copies(self.reference, self.autocast_dtype, self.copies):
             ref = [self._reference_logprobs(mb) for mb in micro]
         old = None
         updates = []
@@ -635,14 +636,9 @@ def compute_copies(model: Optional[torch.nn.Module], dtype: Optional[torch.dtype
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     modules = ([m for layer in decoder_layers(model) for m in layer.modules() if isinstance(m, torch.nn.Linear)]
                if scope == "matmul" else [m for m in model.modules() if m is not head])
-    uses: dict[int, int] = {}
-    for module in model.modules():
-        for param in module._parameters.values():
-            if param is not None:
-                uses[id(param)] = uses.get(id(param), 0) + 1
+    uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
     if head is not None:
-        for param in head.parameters():
-            uses[id(param)] = uses.get(id(param), 0) + 1  # never copied, nor anything tied to it
+        uses.update(id(p) for p in head.parameters())  # never copied, nor anything tied to it
     swapped = []
     for module in dict.fromkeys(modules):
         for name, master in list(module._parameters.items()):
