@@ -35,6 +35,22 @@ def small_run_overrides(output_dir: Path, *extra: str) -> list[str]:
             "logger.progress=false", "eval.every=0", *extra]
 
 
+def update_recording_grads(trainer, micro: list, normalizer: float) -> tuple[dict, list, dict]:
+    """One GRPOTrainer update over the micro-batches `micro` whose optimizer step only records the
+    gradients where the step would use them (SGD at lr 0: the parameters stay), then the trainer's
+    own optimizer back. Returns (stats, each micro-batch's log-probs before the step, {name:
+    gradient} of every parameter that got one)."""
+    own, grads = trainer.optimizer, {}
+    trainer.optimizer = torch.optim.SGD([p for p in trainer.model.parameters() if p.requires_grad], lr=0.0)
+    trainer.optimizer.step = lambda: grads.update(
+        {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None})
+    try:
+        stats, before = trainer._update(micro, None, [None] * len(micro), normalizer)
+    finally:
+        trainer.optimizer = own
+    return stats, before, grads
+
+
 def engine_processes() -> set[int]:
     """PIDs of colo_rl engine workers that are children of this test process."""
     pids = set()

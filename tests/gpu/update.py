@@ -12,6 +12,8 @@ from transformers import Olmo2Config, Olmo2ForCausalLM
 from colo_rl.config import TrainerConfig
 from colo_rl.trainer import GRPOTrainer
 
+from ..conftest import update_recording_grads
+
 
 @dataclass
 class Update:
@@ -36,11 +38,6 @@ def olmo2_update(cfg: TrainerConfig, *, vocab: int, layers: int, batch: int, pro
                           autocast_dtype=torch.bfloat16)
     if not cast_once:
         trainer.copies = None
-    own = trainer.optimizer
-    grads = {}
-    trainer.optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    trainer.optimizer.step = lambda: grads.update(
-        {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
     g = torch.Generator().manual_seed(1)
     prompts = torch.randint(1, vocab, (batch, prompt), generator=g).tolist()
     completions = [torch.randint(1, vocab, (completion - shorter_by * i,), generator=g).tolist()
@@ -49,9 +46,8 @@ def olmo2_update(cfg: TrainerConfig, *, vocab: int, layers: int, batch: int, pro
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    stats, before = trainer._update(micro, None, [None] * len(micro), float(batch * completion))
+    stats, before, grads = update_recording_grads(trainer, micro, float(batch * completion))
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
-    trainer.optimizer = own  # for the tests that look at the trainer's own
     logprobs = torch.cat([b[mb.mask.bool()] for b, mb in zip(before, micro)])
     return Update(trainer, stats, logprobs, grads, peak)

@@ -13,6 +13,8 @@ from colo_rl.trainer import GRPOTrainer
 from colo_rl.trainer.grpo import grpo_loss
 from colo_rl.trainer.kernels import apply_liger, check_kernels, decoder_layers, resolve_kernels
 
+from ..conftest import update_recording_grads
+
 PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
 GROUP = 2
 COMPLETIONS = [[14 + (i * 7 + j) % 40 for j in range(1 + i % 4)] for i in range(len(PROMPTS) * GROUP)]
@@ -29,12 +31,10 @@ def update(model_dir, **cfg):
     torch.manual_seed(0)
     t = GRPOTrainer(load_policy(ModelConfig(), model_dir, "cpu"), TrainerConfig(micro_batch_size=3, **cfg),
                     pad_token_id=0, temperature=0.7, max_tokens=8, device="cpu")
-    grads = {}
-    t.optimizer = torch.optim.SGD(t.model.parameters(), lr=0.0)
-    t.optimizer.step = lambda: grads.update({n: p.grad.detach().clone() for n, p in t.model.named_parameters()})
     micro = t._micro_batches([p for p in PROMPTS for _ in range(GROUP)], COMPLETIONS,
                              torch.tensor(REWARDS) - 0.4, None)
-    stats, before = t._update(micro, None, [None] * len(micro), normalizer=9.0)
+    stats, before, grads = update_recording_grads(t, micro, normalizer=9.0)
+    assert grads.keys() == dict(t.model.named_parameters()).keys()  # every parameter got a gradient
     return t, stats, torch.cat([b[mb.mask.bool()] for b, mb in zip(before, micro)]), grads
 
 

@@ -12,6 +12,8 @@ from colo_rl.models import load_policy, write_embedded_model
 from colo_rl.trainer import GRPOTrainer
 from colo_rl.trainer.grpo import _output_head
 
+from ..conftest import update_recording_grads
+
 PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
 GROUP = 3
 # different lengths and an empty completion: padding and masking are exercised
@@ -53,16 +55,7 @@ def logprobs_loss_grads(t: GRPOTrainer):
                              torch.tensor(REWARDS) - 0.4, None)
     with torch.no_grad():
         logprobs = [t._token_logprobs(t.forward_model, mb)[mb.mask.bool()] for mb in micro]
-    grads = {}
-
-    def keep():
-        for n, p in t.model.named_parameters():
-            if p.grad is not None:
-                grads[n] = p.grad.detach().clone()
-
-    t.optimizer = torch.optim.SGD([p for p in t.model.parameters() if p.requires_grad], lr=0.0)
-    t.optimizer.step = keep  # read the accumulated gradients where the step would use them
-    stats, before = t._update(micro, None, [None] * len(micro), normalizer=7.0)
+    stats, before, grads = update_recording_grads(t, micro, normalizer=7.0)
     return logprobs, stats, grads, before
 
 
