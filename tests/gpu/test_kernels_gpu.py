@@ -12,13 +12,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from colo_rl.config import TrainerConfig
 
-from .update import Update, olmo2_update
+from .update import CUDA_ONLY, Update, olmo2_update
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(),
-                       reason="needs a CUDA GPU; run on the lent H200: see benchmarks/README.md"),
-]
+pytestmark = CUDA_ONLY
 
 LAYERS = 3
 

@@ -9,13 +9,9 @@ import torch
 
 from colo_rl.config import TrainerConfig
 
-from .update import Update, olmo2_update
+from .update import CUDA_ONLY, Update, olmo2_update
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(),
-                       reason="needs a CUDA GPU; run on the lent H200: see benchmarks/README.md"),
-]
+pytestmark = CUDA_ONLY
 
 B = 8
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import pytest
 import torch
 from transformers import Olmo2Config, Olmo2ForCausalLM
 
@@ -13,6 +14,14 @@ from colo_rl.config import TrainerConfig
 from colo_rl.trainer import GRPOTrainer
 
 from ..conftest import update_recording_grads
+
+
+# the pytestmark of the tests that use olmo2_update: GPU-only, skipped with this reason elsewhere
+CUDA_ONLY = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(),
+                       reason="needs a CUDA GPU; run on the lent H200: see benchmarks/README.md"),
+]
 
 
 @dataclass
