@@ -11,10 +11,12 @@ import ctypes
 import gc
 import json
 import os
+import pickle
 import queue
 import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -30,9 +32,10 @@ FLAT_LOGPROBS = os.environ.get("COLO_RL_FLAT_LOGPROBS", "1") != "0"
 # process. vLLM forks its engine core only when CUDA is not initialised here; otherwise the core is
 # spawned and imports vLLM again (18 s on the H100). import_vllm_without_cuda says what did.
 TRACE_CUDA_INIT = os.environ.get("COLO_RL_TRACE_CUDA_INIT") == "1"
-# For issue #23: COLO_RL_AOT_REBUILD=1 lets vLLM save its AOT compiled model on the Transformers
-# backend (colo_rl/generator/aot.py), so a warm start loads it instead of tracing again.
-AOT_REBUILD = os.environ.get("COLO_RL_AOT_REBUILD") == "1"
+# Issue #23: vLLM saves its AOT compiled model on the Transformers backend (colo_rl/generator/aot.py),
+# so a warm start loads it instead of tracing again (H100: time to first step 30.6 -> 26.3 s).
+# COLO_RL_AOT_REBUILD=0 turns it off (vLLM's own behaviour: the save fails, every start traces).
+AOT_REBUILD = os.environ.get("COLO_RL_AOT_REBUILD", "1") != "0"
 
 
 class Shutdown(BaseException):
@@ -93,6 +96,62 @@ def cache_package_model_info() -> None:
 
     inspect_model_cls.colo_rl_package_cache = True
     lazy.inspect_model_cls = inspect_model_cls
+
+
+def run_in_fork(fn):
+    """vLLM's registry._run_in_subprocess, in a fork of this process instead of a fresh interpreter.
+
+    Before its engine starts, vLLM inspects the model class (is it a text generation model, does it
+    support LoRA...) in a child process, so that importing the model's module cannot initialise
+    CUDA in the parent. vLLM runs a new interpreter that imports vllm and torch again: 18 s of the
+    H100's cold start (once per cache root: the answer is cached, see cache_package_model_info).
+    This worker has imported vLLM already and has not initialised CUDA (import_vllm_without_cuda),
+    so a fork gives the same isolation at the cost of the module's own import. The child returns
+    the pickled answer in a file, as vLLM's does, and leaves through os._exit: none of the
+    parent's atexit handlers or finalisers run in it. Its failure raises like vLLM's, with the
+    child's traceback on this process's stderr."""
+    with tempfile.TemporaryDirectory() as tempdir:
+        path = os.path.join(tempdir, "registry_output.pkl")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                result = fn()
+                with open(path, "wb") as file:
+                    pickle.dump(result, file)
+                code = 0
+            except BaseException:  # noqa: BLE001 - reported, and the exit code says it failed
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        code = os.waitstatus_to_exitcode(status)
+        if code != 0:
+            raise RuntimeError(f"inspecting the model in a fork of the engine worker failed (exit code {code}); "
+                               "its traceback is above")
+        with open(path, "rb") as file:
+            return pickle.load(file)
+
+
+def inspect_models_in_fork() -> None:
+    """Route vLLM's model inspection through run_in_fork, while CUDA is not initialised in this
+    process (a fork of a process using CUDA cannot use it: then vLLM's subprocess stays)."""
+    import torch
+    from vllm.model_executor.models import registry
+
+    original = getattr(registry, "_run_in_subprocess", None)
+    if original is None or getattr(original, "colo_rl_fork", False) or not hasattr(os, "fork"):
+        return
+
+    def run(fn):
+        return original(fn) if torch.cuda.is_initialized() else run_in_fork(fn)
+
+    run.colo_rl_fork = True
+    registry._run_in_subprocess = run
 
 
 def accept_trainer(listener: Listener, authkey: bytes, stopping: threading.Event) -> Connection:
@@ -243,6 +302,7 @@ class EngineServer:
             kwargs.setdefault("enable_chunked_prefill", False)
         kwargs.setdefault("worker_extension_cls", "colo_rl.generator.extension.WeightSyncExtension")
         cache_package_model_info()
+        inspect_models_in_fork()
         if AOT_REBUILD:
             from colo_rl.generator import aot
 
