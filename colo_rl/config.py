@@ -247,6 +247,12 @@ class TrainerConfig:
     # (chunk x vocab) are reduced to log-sum-exp and the sampled token's logit, and recomputed in
     # backward, so the (micro-batch x length x vocab) logits never exist; 0: the full logits
     logprob_chunk: int = 1024
+    # auto | compiled | eager: how each chunk's logits become log-probs (the cast to fp32, the
+    # temperature, log-sum-exp and the sampled token's logit; in backward the softmax gradient).
+    # compiled: one torch.compile'd function (Inductor fuses them into a kernel or two that read the
+    # head's bf16 logits, where eager runs each op as a pass over fp32 logits). auto: compiled on a
+    # CUDA trainer, eager elsewhere (Inductor on a CPU needs a C++ compiler and compiles slowly)
+    logprob_kernel: str = "auto"
     # Sequences go into micro-batches in order of length, so each pads to a length near its own
     # (same loss and gradients up to float summation order); false: in batch order
     sort_by_length: bool = True
@@ -319,6 +325,7 @@ class TrainerConfig:
                    "adapters yet): use trainer.parallel=ddp with LoRA")
         _check(self.peak_tflops is None or self.peak_tflops > 0, "trainer.peak_tflops", self.peak_tflops,
                "must be null (the device's known peak) or > 0 (TFLOP/s)")
+        _one_of("trainer.logprob_kernel", self.logprob_kernel, ("auto", "compiled", "eager"))
         _check(self.logprob_chunk >= 0, "trainer.logprob_chunk", self.logprob_chunk,
                "must be >= 0 (response positions per chunk of the output head; 0: full logits)")
         for key in ("steps", "prompts_per_step", "micro_batch_size", "updates_per_batch"):

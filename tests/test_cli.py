@@ -45,6 +45,8 @@ COMPOSE_ERRORS = {
     "fp32_activations_not_a_bool": (["trainer.fp32_activations=half"],
                                     "trainer.fp32_activations: Value 'half' is not a valid bool"),
     "unknown_kernels": (["trainer.kernels=flash"], "trainer.kernels='flash' must be one of auto, none, liger"),
+    "unknown_logprob_kernel": (["trainer.logprob_kernel=triton"],
+                               "trainer.logprob_kernel='triton' must be one of auto, compiled, eager"),
     "liger_compiled": (["trainer.kernels=liger", "trainer.compile=true"],
                        "trainer.kernels='liger' cannot be combined with trainer.compile=true"),
     "unparsable_override": (["trainer.lr=="], "trainer.lr==: cannot parse this override"),

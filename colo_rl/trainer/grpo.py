@@ -10,6 +10,7 @@ temperature; validate refuses TIS at a temperature other than 1 if a user sets t
 from __future__ import annotations
 
 import copy
+import functools
 import math
 from collections import Counter
 from contextlib import contextmanager
@@ -263,6 +264,8 @@ class GRPOTrainer:
         self.temperature = temperature
         self.max_tokens = max_tokens
         self.device = torch.device(device)
+        # each chunk of the output head's logits to log-probs (trainer.logprob_kernel)
+        self.target_logprobs = target_logprob_function(cfg.logprob_kernel, self.device)
         trainable = [p for p in model.parameters() if p.requires_grad]  # under LoRA: the adapters
         self.trainable_params = sum(p.numel() for p in trainable)
         # fused AdamW (one kernel for all tensors) on a GPU, as transformers' adamw_torch_fused;
@@ -432,7 +435,7 @@ class GRPOTrainer:
         with torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype or torch.bfloat16,
                             enabled=self.autocast_dtype is not None):
             if self.cfg.logprob_chunk:
-                with _chunked_head(model, mb, self.temperature, self.cfg.logprob_chunk):
+                with _chunked_head(model, mb, self.temperature, self.cfg.logprob_chunk, self.target_logprobs):
                     # the patched head returns the (b, T) log-probs in the logits' place
                     return model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
             logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
@@ -556,18 +559,51 @@ def _output_head(model: torch.nn.Module) -> torch.nn.Module:
     return head
 
 
-def _chunk_logprobs(head_forward, hidden: torch.Tensor, targets: torch.Tensor,
-                    temperature: float) -> torch.Tensor:
-    """(n,) log-probs of `targets` from (n, hidden) states: the head in the autocast dtype, the
-    log-sum-exp in fp32 (as the full path's `.float().log_softmax`)."""
-    logits = head_forward(hidden).float()
-    if temperature > 0:  # in place: no second chunk of logits (the matmul's backward needs its inputs only)
+def _target_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+    """(n,) log-probs of `targets` from (n, vocab) logits in the head's dtype: the log-sum-exp in
+    fp32 (as the full path's `.float().log_softmax`)."""
+    logits = logits.float()
+    if temperature > 0:
+        logits = logits / temperature
+    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(dim=-1)
+
+
+def _target_logprobs_eager(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+    """_target_logprobs op by op: the temperature in place on the fp32 copy, so no second chunk of
+    fp32 logits exists (the matmul's backward needs its inputs only)."""
+    logits = logits.float()
+    if temperature > 0:
         logits = logits.div_(temperature)
     return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(dim=-1)
 
 
+@functools.cache
+def _target_logprobs_compiled():
+    """_target_logprobs through torch.compile, made on first use. Inductor fuses the cast, the
+    temperature and the log-sum-exp into reductions that read the head's bf16 logits, and the
+    backward into one pass writing the bf16 gradient of the logits, where eager runs each op over
+    fp32 copies. The chunk's row count is the one dynamic size (the last chunk is shorter)."""
+    return torch.compile(_target_logprobs)
+
+
+def target_logprob_function(kernel: str, device: torch.device):
+    """trainer.logprob_kernel resolved for `device`: the function each chunk of the output head's
+    logits goes through (auto: compiled on CUDA, eager elsewhere)."""
+    if kernel == "compiled" or (kernel == "auto" and device.type == "cuda"):
+        return _target_logprobs_compiled()
+    return _target_logprobs_eager
+
+
+def _chunk_logprobs(head_forward, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
+                    target_logprobs=_target_logprobs_eager) -> torch.Tensor:
+    """(n,) log-probs of `targets` from (n, hidden) states: the head in the autocast dtype, then
+    `target_logprobs` (one of the two above)."""
+    return target_logprobs(head_forward(hidden), targets, temperature)
+
+
 @contextmanager
-def _chunked_head(model: torch.nn.Module, mb: _MicroBatch, temperature: float, chunk: int):
+def _chunked_head(model: torch.nn.Module, mb: _MicroBatch, temperature: float, chunk: int,
+                  target_logprobs=_target_logprobs_eager):
     """While active, the model's output head maps the final hidden states (b, L, hidden) to the
     (b, T) log-probs of mb's response tokens, never the (b, L, vocab) logits: it gathers the
     states that predict each real response token, applies the head to `chunk` of them at a time
@@ -587,7 +623,8 @@ def _chunked_head(model: torch.nn.Module, mb: _MicroBatch, temperature: float, c
         grad = torch.is_grad_enabled() and states.requires_grad
         values = []
         for start in range(0, states.size(0), chunk):
-            args = (original, states[start:start + chunk], targets[start:start + chunk], temperature)
+            args = (original, states[start:start + chunk], targets[start:start + chunk], temperature,
+                    target_logprobs)
             values.append(torch.utils.checkpoint.checkpoint(_chunk_logprobs, *args, use_reentrant=False)
                           if grad else _chunk_logprobs(*args))
         out = torch.zeros(mb.mask.shape, dtype=torch.float32, device=hidden.device)

@@ -140,3 +140,22 @@ def test_sorting_by_length_pads_less_and_gives_the_same_step(model_dir):
         assert m1[key] == pytest.approx(m0[key], rel=1e-5, abs=1e-7), key
     for name in p0:
         torch.testing.assert_close(p1[name], p0[name], rtol=1e-5, atol=1e-6)
+
+
+def test_compiled_log_softmax_of_the_chunks_gives_the_full_paths_loss_and_gradients(model_dir):
+    """trainer.logprob_kernel=compiled (the default on CUDA): each chunk's logits go through one
+    torch.compile'd function, under the chunk's activation checkpointing; chunks of 5 leave a
+    shorter last one (the dynamic size). Same log-probs, loss and gradients as the full logits."""
+    from colo_rl.trainer.grpo import _target_logprobs_compiled, _target_logprobs_eager
+
+    compiled = trainer(policy(model_dir), 5, micro_batch_size=4, logprob_kernel="compiled")
+    assert compiled.target_logprobs is _target_logprobs_compiled()
+    assert trainer(policy(model_dir), 5).target_logprobs is _target_logprobs_eager  # auto on a CPU
+    full = logprobs_loss_grads(trainer(policy(model_dir), 0, micro_batch_size=4))
+    chunked = logprobs_loss_grads(compiled)
+    for a, b in zip(full[0], chunked[0]):
+        torch.testing.assert_close(b, a, rtol=RTOL, atol=ATOL)
+    assert abs(chunked[1]["loss"] - full[1]["loss"]) <= RTOL * abs(full[1]["loss"]) + ATOL
+    assert full[2].keys() == chunked[2].keys() and full[2]
+    for name in full[2]:
+        torch.testing.assert_close(chunked[2][name], full[2][name], rtol=1e-5, atol=1e-7)
