@@ -442,7 +442,7 @@ class GRPOTrainer:
         # The logits at position t predict token t + 1.
         index = (mb.positions - 1).clamp(min=0).unsqueeze(-1).expand(-1, -1, logits.size(-1))
         picked = logits.gather(1, index).float()
-        if self.temperature > 0:
+        if self.temperature > 0 and self.temperature != 1:  # (x / 1 is x: a pass over the logits saved)
             picked = picked / self.temperature
         targets = mb.input_ids.gather(1, mb.positions).unsqueeze(-1)
         return picked.log_softmax(dim=-1).gather(-1, targets).squeeze(-1)
@@ -563,7 +563,7 @@ def _target_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: f
     """(n,) log-probs of `targets` from (n, vocab) logits in the head's dtype: the log-sum-exp in
     fp32 (as the full path's `.float().log_softmax`)."""
     logits = logits.float()
-    if temperature > 0:
+    if temperature > 0 and temperature != 1:
         logits = logits / temperature
     return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(dim=-1)
 
@@ -572,7 +572,7 @@ def _target_logprobs_eager(logits: torch.Tensor, targets: torch.Tensor, temperat
     """_target_logprobs op by op: the temperature in place on the fp32 copy, so no second chunk of
     fp32 logits exists (the matmul's backward needs its inputs only)."""
     logits = logits.float()
-    if temperature > 0:
+    if temperature > 0 and temperature != 1:  # in place; x / 1 is x
         logits = logits.div_(temperature)
     return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(dim=-1)
 
