@@ -57,6 +57,10 @@ ACT_HIDDEN, ACT_INTERMEDIATE = 32, 4
 # eager ones save fp32 copies for backward). Fitted on the H100, 1B shape (RESULTS.md, 2026-12-06c):
 # decoder activations 0.57x (micro-batch 16) and 0.55x (32) of the eager model's.
 LIGER_ACTIVATION_FACTOR = 0.58
+# trainer.fp32_activations=false (compute copies of every weight but the head: the activations
+# between the matmuls in bf16, not fp32): decoder activations of the Liger model, fitted on the H100,
+# 1B shape (RESULTS.md, 2026-12-06e): 0.92x (micro-batch 16) and 0.90x (32) of autocast's.
+BF16_ACTIVATION_FACTOR = 0.91
 # The loss's fp32 logits and what is computed from them (log-softmax, their gradient) peak at this
 # many b x T x vocab fp32 tensors at once (fitted on the same two runs).
 LOGITS_COPIES = 1.25
@@ -241,6 +245,8 @@ def sizes(settings: RunConfig, shape: Shape, seq_len: int, *, cuda: bool, micro_
         layers = shape.layers * per_layer
     if t.kernels == "liger" and cuda:  # resolved by run.py before the plan (auto counts as eager)
         layers *= LIGER_ACTIVATION_FACTOR
+    if mixed and cuda and not t.fp32_activations and not lora and not t.compile and t.parallel == "none":
+        layers *= BF16_ACTIVATION_FACTOR  # where copies_scope (trainer/grpo.py) gives "all"
     if t.logprob_chunk:
         responses = micro_batch * settings.sampling.max_tokens
         logits = (CHUNK_LOGITS_COPIES * min(t.logprob_chunk, responses) * shape.vocab * 4

@@ -128,6 +128,21 @@ def test_liger_kernels_trainer_peak_matches_the_h100_measurements(micro_batch, m
     assert sizes(settings, shape, 384, cuda=False).trainer_peak() > sizes(settings, shape, 384, cuda=True).trainer_peak()
 
 
+@pytest.mark.parametrize("micro_batch, measured", [(16, 35.19), (32, 43.50)])
+def test_bf16_activations_trainer_peak_matches_the_h100_measurements(micro_batch, measured):
+    """benchmarks/RESULTS.md (H100, 2026-12-06e): trainer.fp32_activations=false with Liger's
+    kernels, the peer workload's trainer peak (autocast's: 35.99 and 45.48 GiB); where the weights
+    are not copied (LoRA, DDP, compiled layers) the activations stay autocast's."""
+    overrides = (f"trainer.micro_batch_size={micro_batch}", "trainer.kernels=liger", "trainer.logprob_chunk=1024")
+    settings, shape = one_b(*overrides, "trainer.fp32_activations=false")
+    bf16 = sizes(settings, shape, 384, cuda=True).trainer_peak() / GIB
+    assert bf16 == pytest.approx(measured, rel=0.03)
+    fp32 = sizes(one_b(*overrides)[0], shape, 384, cuda=True)
+    assert fp32.trainer_peak() / GIB > bf16 + 0.5
+    ddp = sizes(one_b(*overrides, "trainer.fp32_activations=false", "trainer.parallel=ddp")[0], shape, 384, cuda=True)
+    assert ddp.activations == fp32.activations
+
+
 H100 = 81079 * 2**20  # torch.cuda.mem_get_info's total on the lent H100 (79.2 GiB)
 
 
