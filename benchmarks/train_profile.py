@@ -71,6 +71,7 @@ def main(argv=None) -> int:
     from colo_rl.models import DTYPES, prepare_model_dir
     from colo_rl.trainer import GRPOTrainer
     from colo_rl.trainer.flops import peak_tflops, perf_metrics
+    from colo_rl.trainer.grpo import _target_logprobs_eager
 
     prompts, n, prompt_len, completion_len = (4, 2, 8, 16) if args.smoke else (32, 8, 128, 256)
     model = "tiny" if args.smoke else args.model
@@ -112,6 +113,7 @@ def main(argv=None) -> int:
     result = {"model": model, "overrides": args.overrides, "device": torch.cuda.get_device_name() if cuda else "cpu",
               "torch": torch.__version__, "precision": trainer_precision(settings), "kernels": trainer.kernels,
               "compile": settings.trainer.compile, "weight_copies": trainer.copies,
+              "logprob_kernel": "compiled" if trainer.target_logprobs is not _target_logprobs_eager else "eager",
               "warmup_step_s": warmup_s, "step_s": times, "median_step_s": median,
               "model_tflop_per_step": trainer.last_step_flops / 1e12,
               **perf_metrics(trainer.last_step_flops, median, peak)}
