@@ -119,7 +119,7 @@ def run_child(arm: str, w: dict, out: Path) -> None:
         num_generations=w["n"], max_completion_length=w["max_tokens"], temperature=1.0,
         bf16=w["gpu"], use_cpu=not w["gpu"], model_init_kwargs={"dtype": dtype},
         use_vllm=True, vllm_mode="colocate", vllm_enable_sleep_mode=w["gpu"],
-        vllm_gpu_memory_utilization=0.5 if w["gpu"] else 0.3,
+        vllm_gpu_memory_utilization=trl_engine_fraction(w),
         vllm_max_model_length=w["prompt_len"] + w["max_tokens"] + 8,
         generation_kwargs={"ignore_eos": True}, logging_steps=1, report_to="none", save_strategy="no",
         torch_compile=False, seed=0, shuffle_dataset=False)
@@ -253,19 +253,28 @@ def run_bare(w: dict, out_dir: Path, timeout_s: float) -> dict:
     return result
 
 
+def trl_engine_fraction(w: dict) -> float:
+    """TRL's vllm_gpu_memory_utilization: the issue's 0.5 of the GPU (0.3 of a CPU's memory)."""
+    return 0.5 if w.get("gpu") else 0.3
+
+
 def table(results: dict) -> str:
     """The issue's side-by-side table from the raw JSON."""
     cols = []
-    for arm in results.get("colo_rl", {}).get("arms", []):
+    colo = results.get("colo_rl", {})
+    for arm in colo.get("arms", []):
         m = arm["median_steps_2_on"]
+        # the engine's budget: the arm's own override, else the workload's (the last one counts)
+        budget = [o.split("=", 1)[1] for o in [*colo.get("workload", []), *arm.get("overrides", [])]
+                  if o.startswith("generator.gpu_memory_utilization=")]
         cols.append((f"colo_rl {arm['name']}", m.get("timing/step_s"), m.get("timing/generate_s"),
                      m.get("rollout/tokens_per_s"), m.get("switch_s"), m.get("timing/train_s"),
-                     arm.get("peak_gpu_used_gib")))
+                     arm.get("peak_gpu_used_gib"), budget[-1] if budget else "?"))
     for arm in results.get("trl", []):
         m = arm.get("median_steps_2_on", {})
         cols.append((f"TRL {arm.get('versions', {}).get('trl', '?')} {arm['arm']}", m.get("step_s"),
                      m.get("generate_s"), m.get("tokens_per_s"), m.get("switch_s"), m.get("train_s"),
-                     arm.get("peak_gpu_used_gib")))
+                     arm.get("peak_gpu_used_gib"), str(trl_engine_fraction(results.get("workload", {})))))
 
     def f(v, unit=" s"):
         return "n/a" if v is None else f"{v:.2f}{unit}"
@@ -275,7 +284,8 @@ def table(results: dict) -> str:
                                           for c in cols) + " |",
              "| switch | " + " | ".join(f(c[4]) for c in cols) + " |",
              "| train incl. optimizer | " + " | ".join(f(c[5]) for c in cols) + " |",
-             "| peak GPU memory | " + " | ".join(f(c[6], " GiB") for c in cols) + " |"]
+             "| peak GPU memory | " + " | ".join(f(c[6], " GiB") for c in cols) + " |",
+             "| engine budget (gpu_memory_utilization) | " + " | ".join(c[7] for c in cols) + " |"]
     bare = results.get("bare_vllm", {})
     if "tokens_per_s" in bare:
         lines.append("")
