@@ -43,7 +43,7 @@ WORKLOAD = ["trainer.steps=6", "trainer.prompts_per_step=32", "sampling.n=8",
 KEYS = ["timing/step_s", "timing/generate_s", "timing/train_s", "timing/generator_total_s", "timing/offload_s",
         "timing/weight_load_s", "timing/wake_s", "timing/sleep_s", "timing/restore_s", "timing/score_s",
         "rollout/tokens_per_s", "memory/trainer_peak_gib", "sync/cast_gib", "train/loss", "train/grad_norm",
-        "perf/train_tflops", "perf/mfu"]
+        "perf/train_tflops", "perf/mfu", "train/engine_logprob_gap"]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
