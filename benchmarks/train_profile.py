@@ -123,7 +123,7 @@ def main(argv=None) -> int:
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, record_shapes=True) as prof:
         step(100)
     by_class: dict[str, float] = defaultdict(float)
     kernels = []
@@ -138,6 +138,17 @@ def main(argv=None) -> int:
     result["profiled_device_s"] = total
     result["device_s_by_class"] = dict(sorted(by_class.items(), key=lambda kv: -kv[1]))
     result["top_kernels"] = [{"s": s, "calls": c, "name": name[:160]} for s, c, name in kernels[:30]]
+    # The same device time by the operator that launched it, with its input shapes: which aten op
+    # (a cast of what, an add of what) each kernel class comes from.
+    ops = []
+    for event in prof.key_averages(group_by_input_shape=True):
+        if cuda and event.device_type.name == "CUDA":
+            continue  # the kernels themselves, counted above
+        device_us = getattr(event, "self_device_time_total", 0.0) if cuda else event.self_cpu_time_total
+        if device_us > 0:
+            ops.append((device_us / 1e6, event.count, event.key, str(event.input_shapes)[:200]))
+    ops.sort(reverse=True)
+    result["top_ops"] = [{"s": s, "calls": c, "op": op, "shapes": shapes} for s, c, op, shapes in ops[:60]]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
 
@@ -150,6 +161,9 @@ def main(argv=None) -> int:
         print(f"[train_profile]   {label:18s} {seconds:7.3f} s  {seconds / total * 100:5.1f} %", flush=True)
     for k in result["top_kernels"][:12]:
         print(f"[train_profile]   {k['s']:7.3f} s  x{k['calls']:<5d} {k['name'][:100]}", flush=True)
+    print("[train_profile] by operator and input shapes:", flush=True)
+    for o in result["top_ops"][:20]:
+        print(f"[train_profile]   {o['s']:7.3f} s  x{o['calls']:<5d} {o['op'][:40]:40s} {o['shapes'][:90]}", flush=True)
     return 0
 
 
