@@ -565,6 +565,16 @@ def trainer_precision(settings: RunConfig) -> str:
     return "mixed" if settings.model.dtype in ("bfloat16", "float16") else "pure"
 
 
+def weight_copies(autocast: bool, parallel: bool, compile: bool, lora: bool, fp32_activations: bool) -> Optional[str]:
+    """What the trainer's compute_copies (colo_rl/trainer/grpo.py) copies once per update, for the
+    trainer and the memory plan alike: None (autocast casts in every forward) without autocast, and
+    where other code holds the parameters (DDP/FSDP hooks, compiled graphs, peft's adapters); else
+    "matmul", or "all" under trainer.fp32_activations=false."""
+    if not autocast or parallel or compile or lora:
+        return None
+    return "matmul" if fp32_activations else "all"
+
+
 def trainer_dtype(settings: RunConfig) -> str:
     """The dtype of the trainer's parameters and optimizer state."""
     return "float32" if trainer_precision(settings) == "mixed" else settings.model.dtype

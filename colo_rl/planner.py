@@ -31,7 +31,7 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from colo_rl.config import ConfigError, RunConfig, trainer_precision
+from colo_rl.config import ConfigError, RunConfig, trainer_precision, weight_copies
 
 log = logging.getLogger("colo_rl")
 
@@ -245,8 +245,8 @@ def sizes(settings: RunConfig, shape: Shape, seq_len: int, *, cuda: bool, micro_
         layers = shape.layers * per_layer
     if t.kernels == "liger" and cuda:  # resolved by run.py before the plan (auto counts as eager)
         layers *= LIGER_ACTIVATION_FACTOR
-    if mixed and cuda and not t.fp32_activations and not lora and not t.compile and t.parallel == "none":
-        layers *= BF16_ACTIVATION_FACTOR  # where copies_scope (trainer/grpo.py) gives "all"
+    if weight_copies(mixed and cuda, t.parallel != "none", t.compile, lora, t.fp32_activations) == "all":
+        layers *= BF16_ACTIVATION_FACTOR
     if t.logprob_chunk:
         responses = micro_batch * settings.sampling.max_tokens
         logits = (CHUNK_LOGITS_COPIES * min(t.logprob_chunk, responses) * shape.vocab * 4

@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 import torch.utils.checkpoint
 
-from colo_rl.config import TrainerConfig
+from colo_rl.config import TrainerConfig, weight_copies
 from colo_rl.trainer.flops import ModelShape, step_flops
 from colo_rl.trainer.kernels import apply_liger, compile_layers, decoder_layers, resolve_kernels
 from colo_rl.lora import is_lora, trainable_parameters
@@ -278,8 +278,8 @@ class GRPOTrainer:
         # Under autocast, weights are cast to the compute dtype once per update, not in every
         # micro-batch's forward (see compute_copies): the decoder layers' matmul weights, or with
         # trainer.fp32_activations=false every weight but the output head's.
-        self.copies = copies_scope(self.autocast_dtype, self.parallel, cfg.compile, is_lora(model),
-                                   cfg.fp32_activations)
+        self.copies = weight_copies(self.autocast_dtype is not None, self.parallel.enabled, cfg.compile,
+                                    is_lora(model), cfg.fp32_activations)
         self.step_count = 0
 
     def train_step(self, prompt_ids: list[list[int]], completion_ids: list[list[int]],
@@ -595,7 +595,7 @@ def target_logprob_function(kernel: str, device: torch.device):
 
 
 def _chunk_logprobs(head_forward, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
-                    target_logprobs=_target_logprobs_eager) -> torch.Tensor:
+                    target_logprobs) -> torch.Tensor:
     """(n,) log-probs of `targets` from (n, hidden) states: the head in the autocast dtype, then
     `target_logprobs` (one of the two above)."""
     return target_logprobs(head_forward(hidden), targets, temperature)
@@ -603,7 +603,7 @@ def _chunk_logprobs(head_forward, hidden: torch.Tensor, targets: torch.Tensor, t
 
 @contextmanager
 def _chunked_head(model: torch.nn.Module, mb: _MicroBatch, temperature: float, chunk: int,
-                  target_logprobs=_target_logprobs_eager):
+                  target_logprobs):
     """While active, the model's output head maps the final hidden states (b, L, hidden) to the
     (b, T) log-probs of mb's response tokens, never the (b, L, vocab) logits: it gathers the
     states that predict each real response token, applies the head to `chunk` of them at a time
@@ -638,16 +638,6 @@ def _chunked_head(model: torch.nn.Module, mb: _MicroBatch, temperature: float, c
             head.forward = original
         else:
             del head.forward  # back to the class's forward
-
-
-def copies_scope(autocast_dtype: Optional[torch.dtype], parallel: Parallel, compile: bool, lora: bool,
-                 fp32_activations: bool) -> Optional[str]:
-    """What compute_copies copies in this trainer: None (autocast casts in every forward) without
-    autocast, and where other code holds the parameters (DDP/FSDP hooks, compiled graphs, peft's
-    adapters); else "matmul", or "all" under trainer.fp32_activations=false."""
-    if autocast_dtype is None or parallel.enabled or compile or lora:
-        return None
-    return "matmul" if fp32_activations else "all"
 
 
 @contextmanager

@@ -243,12 +243,11 @@ def test_compute_copies_give_the_gradients_of_the_model_they_emulate_bit_for_bit
 
 
 def test_weight_copies_are_made_only_where_nothing_else_holds_the_parameters():
-    from colo_rl.parallel import Parallel
-    from colo_rl.trainer.grpo import copies_scope
+    from colo_rl.config import weight_copies
 
-    single, bf16 = Parallel.single(), torch.bfloat16
-    assert copies_scope(bf16, single, compile=False, lora=False, fp32_activations=True) == "matmul"
-    assert copies_scope(bf16, single, compile=False, lora=False, fp32_activations=False) == "all"
-    assert copies_scope(None, single, compile=False, lora=False, fp32_activations=False) is None  # no autocast
-    assert copies_scope(bf16, single, compile=True, lora=False, fp32_activations=True) is None  # compiled graphs
-    assert copies_scope(bf16, single, compile=False, lora=True, fp32_activations=True) is None  # peft's adapters
+    assert weight_copies(True, False, compile=False, lora=False, fp32_activations=True) == "matmul"
+    assert weight_copies(True, False, compile=False, lora=False, fp32_activations=False) == "all"
+    assert weight_copies(False, False, compile=False, lora=False, fp32_activations=False) is None  # no autocast
+    assert weight_copies(True, False, compile=True, lora=False, fp32_activations=True) is None  # compiled graphs
+    assert weight_copies(True, False, compile=False, lora=True, fp32_activations=True) is None  # peft's adapters
+    assert weight_copies(True, True, compile=False, lora=False, fp32_activations=True) is None  # DDP/FSDP hooks
