@@ -205,7 +205,10 @@ class TrainerConfig:
     device: str = "auto"  # auto | cuda | cpu
     steps: int = 30
     prompts_per_step: int = 8
-    micro_batch_size: int = 16  # sequences per forward/backward; gradients accumulate over them
+    # sequences per forward/backward; gradients accumulate over them (the loss's normalizer is the
+    # whole batch's, so the size changes results only by summation order). auto: the memory plan
+    # picks the largest of AUTO_MICRO_BATCHES that fits on the GPU; DEFAULT_MICRO_BATCH elsewhere
+    micro_batch_size: Any = "auto"
     lr: float = 1e-3
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
@@ -328,8 +331,11 @@ class TrainerConfig:
         _one_of("trainer.logprob_kernel", self.logprob_kernel, ("auto", "compiled", "eager"))
         _check(self.logprob_chunk >= 0, "trainer.logprob_chunk", self.logprob_chunk,
                "must be >= 0 (response positions per chunk of the output head; 0: full logits)")
-        for key in ("steps", "prompts_per_step", "micro_batch_size", "updates_per_batch"):
+        for key in ("steps", "prompts_per_step", "updates_per_batch"):
             _check(getattr(self, key) >= 1, f"trainer.{key}", getattr(self, key), "must be >= 1")
+        m = self.micro_batch_size
+        _check(m == "auto" or (isinstance(m, int) and not isinstance(m, bool) and m >= 1),
+               "trainer.micro_batch_size", m, "must be >= 1 or auto")
         _check(self.lr > 0, "trainer.lr", self.lr, "must be > 0")
         _check(self.max_grad_norm > 0, "trainer.max_grad_norm", self.max_grad_norm, "must be > 0")
         _check(0 < self.clip_eps < 1, "trainer.clip_eps", self.clip_eps, "must be in (0, 1)")
@@ -573,6 +579,19 @@ def weight_copies(autocast: bool, parallel: bool, compile: bool, lora: bool, fp3
     if not autocast or parallel or compile or lora:
         return None
     return "matmul" if fp32_activations else "all"
+
+
+# trainer.micro_batch_size=auto: the memory plan takes the largest of these whose activations fit
+# beside the sleeping engine (32 was the fastest measured on the 1B peer workload, H100:
+# benchmarks/RESULTS.md 2026-12-06e/f); DEFAULT_MICRO_BATCH where nothing is planned (a CPU run,
+# a model the planner cannot read) and under trainer.parallel, whose ranks must agree on it
+AUTO_MICRO_BATCHES = (32, 16, 8, 4, 2, 1)
+DEFAULT_MICRO_BATCH = 16
+
+
+def micro_batch_size(t: "TrainerConfig") -> int:
+    """trainer.micro_batch_size as a number: auto left unresolved (no memory plan) is DEFAULT_MICRO_BATCH."""
+    return DEFAULT_MICRO_BATCH if t.micro_batch_size == "auto" else t.micro_batch_size
 
 
 def trainer_dtype(settings: RunConfig) -> str:

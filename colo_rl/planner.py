@@ -31,7 +31,8 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from colo_rl.config import ConfigError, RunConfig, trainer_precision, weight_copies
+from colo_rl.config import (AUTO_MICRO_BATCHES, DEFAULT_MICRO_BATCH, ConfigError, RunConfig, micro_batch_size,
+                            trainer_precision, weight_copies)
 
 log = logging.getLogger("colo_rl")
 
@@ -160,6 +161,7 @@ class Plan:
     offload: str
     gpu_memory_utilization: float
     components: list[Component]
+    micro_batch_size: int = DEFAULT_MICRO_BATCH
     total_gib: float | None = None  # None: a CPU run, nothing planned on a GPU
     free_gib: float | None = None
     margin_gib: float = 0.0
@@ -183,7 +185,8 @@ class Plan:
             head = (f"memory plan: device {self.total_gib:.1f} GiB, {self.free_gib:.1f} GiB free before the "
                     f"engine, margin {self.margin_gib:.1f} GiB")
         tail = [f"trainer.offload -> {self.offload}",
-                f"generator.gpu_memory_utilization -> {self.gpu_memory_utilization:.3f}"]
+                f"generator.gpu_memory_utilization -> {self.gpu_memory_utilization:.3f}",
+                f"trainer.micro_batch_size -> {self.micro_batch_size}"]
         tail += [f"predicted {k}: {v:.2f} GiB" for k, v in self.predicted.items()]
         return "\n".join([head, *lines, *tail, *self.notes])
 
@@ -219,7 +222,7 @@ class _Sizes:
 def sizes(settings: RunConfig, shape: Shape, seq_len: int, *, cuda: bool, micro_batch: int | None = None,
           checkpointing: bool | None = None, optimizer: str | None = None) -> _Sizes:
     t = settings.trainer
-    micro_batch = micro_batch or t.micro_batch_size
+    micro_batch = micro_batch or micro_batch_size(t)
     checkpointing = t.gradient_checkpointing if checkpointing is None else checkpointing
     optimizer = optimizer or t.optimizer
     mixed = trainer_precision(settings) == "mixed"
@@ -270,7 +273,8 @@ def plan_memory(settings: RunConfig, shape: Shape, seq_len: int,
     """
     t, g = settings.trainer, settings.generator
     cuda = device_memory is not None
-    s = sizes(settings, shape, seq_len, cuda=cuda)
+    micro_batch = _micro_batch(settings, shape, seq_len, device_memory, engine_on_device)
+    s = sizes(settings, shape, seq_len, cuda=cuda, micro_batch=micro_batch)
     asleep = ENGINE_ASLEEP_GIB * GIB if cuda else 0.0
     components = [
         Component("trainer weights" + (" (fp32 masters)" if trainer_precision(settings) == "mixed" else ""),
@@ -282,7 +286,7 @@ def plan_memory(settings: RunConfig, shape: Shape, seq_len: int,
         components.append(Component("reference policy (kl_coef)", s.reference, "GPU", "GPU"))
     if s.autocast:
         components.append(Component(f"autocast {settings.model.dtype} weight copies", s.autocast, "-", "GPU"))
-    components.append(Component(f"activations ({t.micro_batch_size} x {seq_len} tokens"
+    components.append(Component(f"activations ({micro_batch} x {seq_len} tokens"
                                 + (", checkpointed" if t.gradient_checkpointing else "") + ")",
                                 s.activations, "-", "GPU"))
     if s.push_copy:
@@ -293,24 +297,24 @@ def plan_memory(settings: RunConfig, shape: Shape, seq_len: int,
         offload = CPU_OFFLOAD if t.offload == "auto" else t.offload
         util = g.gpu_memory_utilization if g.gpu_memory_utilization != "auto" else 0.5
         _place(components, offload)
-        return Plan(offload, float(util), components,
+        return Plan(offload, float(util), components, micro_batch,
                     notes=[f"the engine's KV cache is generator.cpu_kvcache_gib={g.cpu_kvcache_gib} GiB of host memory"])
 
     free, total = device_memory
     if not engine_on_device:
         _place(components, "none")
         if s.trainer_peak() + TRAINER_CONTEXT_GIB * GIB + max(MARGIN_FRACTION * free, MARGIN_MIN_GIB * GIB) > free:
-            raise ConfigError(_refusal(settings, shape, seq_len, s, free - TRAINER_CONTEXT_GIB * GIB
-                                       - max(MARGIN_FRACTION * free, MARGIN_MIN_GIB * GIB), free, 0))
+            raise ConfigError(_refusal(settings, shape, seq_len, s, _training_room(free, False), free, 0,
+                                       micro_batch))
         return Plan("none" if t.offload == "auto" else t.offload, 0.5 if g.gpu_memory_utilization == "auto"
-                    else float(g.gpu_memory_utilization), components, total_gib=total / GIB, free_gib=free / GIB,
+                    else float(g.gpu_memory_utilization), components, micro_batch, total_gib=total / GIB, free_gib=free / GIB,
                     notes=["generator.device=cpu: the engine takes none of the GPU, the trainer stays on it"])
     margin = max(MARGIN_FRACTION * free, MARGIN_MIN_GIB * GIB)
     room = free - margin - TRAINER_CONTEXT_GIB * GIB  # what the trainer's tensors and the engine share
 
     # while training: the trainer's peak beside the sleeping engine
     if s.trainer_peak() + asleep > room:
-        raise ConfigError(_refusal(settings, shape, seq_len, s, room - asleep, free, margin))
+        raise ConfigError(_refusal(settings, shape, seq_len, s, room - asleep, free, margin, micro_batch))
 
     engine_fixed = s.engine_weights + asleep + ENGINE_ACTIVATION_GIB * GIB
     beyond = ENGINE_BEYOND_BUDGET_GIB * GIB  # held awake outside the engine's budget
@@ -398,9 +402,36 @@ def plan_memory(settings: RunConfig, shape: Shape, seq_len: int,
     if t.offload == "auto":
         notes.append(f"offload=auto: {chosen} is the least offload with the awake engine's "
                      f"{util * total / GIB:.1f} GiB, the trainer's {resident / GIB:.1f} GiB and the margin on the device")
-    return Plan(chosen, util, components, total_gib=total / GIB, free_gib=free / GIB, margin_gib=margin / GIB,
+    return Plan(chosen, util, components, micro_batch, total_gib=total / GIB, free_gib=free / GIB, margin_gib=margin / GIB,
                 predicted=predicted, notes=notes,
                 engine_wake_bytes=wake if t.keep_cache else 0.0)
+
+
+def _training_room(free: float, engine_on_device: bool) -> float:
+    """Bytes the trainer's step may peak at on a device with `free` bytes: less the margin, its CUDA
+    context and the sleeping engine (when the engine is on the device)."""
+    room = free - max(MARGIN_FRACTION * free, MARGIN_MIN_GIB * GIB) - TRAINER_CONTEXT_GIB * GIB
+    return room - (ENGINE_ASLEEP_GIB * GIB if engine_on_device else 0.0)
+
+
+def _micro_batch(settings: RunConfig, shape: Shape, seq_len: int, device_memory: tuple[int, int] | None,
+                 engine_on_device: bool) -> int:
+    """trainer.micro_batch_size with auto resolved: on a GPU, the largest of AUTO_MICRO_BATCHES (at
+    most the step's sequences) whose trainer peak fits beside the sleeping engine, or 1 where none
+    does (the refusal then says what would); DEFAULT_MICRO_BATCH on the CPU and under
+    trainer.parallel (each rank plans on its own device, and the ranks must agree)."""
+    t = settings.trainer
+    if t.micro_batch_size != "auto":
+        return t.micro_batch_size
+    if device_memory is None or t.parallel != "none":
+        return DEFAULT_MICRO_BATCH
+    room = _training_room(device_memory[0], engine_on_device)
+    sequences = t.prompts_per_step * settings.sampling.n
+    for b in AUTO_MICRO_BATCHES:
+        b = min(b, sequences)
+        if sizes(settings, shape, seq_len, cuda=True, micro_batch=b).trainer_peak() <= room:
+            return b
+    return 1
 
 
 def free_awake(free: float, total: float, resident: float, util: float) -> float:
@@ -418,24 +449,28 @@ def _place(components: list[Component], offload: str) -> None:
 
 
 def _refusal(settings: RunConfig, shape: Shape, seq_len: int, s: _Sizes, room: float, free: float,
-             margin: float) -> str:
-    """The message for a trainer whose training phase does not fit in `room` bytes."""
+             margin: float, micro_batch: int) -> str:
+    """The message for a trainer whose training phase does not fit in `room` bytes with `micro_batch`
+    sequences a micro-batch (under trainer.micro_batch_size=auto: 1, the least it tried)."""
     t = settings.trainer
     head = (f"the trainer needs ~{s.trainer_peak() / GIB:.1f} GiB while training (weights {s.weights / GIB:.1f}, "
             f"gradients {s.grads / GIB:.1f}, optimizer {s.optimizer / GIB:.1f}, activations "
-            f"{s.activations / GIB:.1f} GiB) but {room / GIB:.1f} GiB are left of {free / GIB:.1f} GiB free "
+            f"{s.activations / GIB:.1f} GiB"
+            + (" at micro-batch 1, the least trainer.micro_batch_size=auto tries" if t.micro_batch_size == "auto" else "")
+            + f") but {room / GIB:.1f} GiB are left of {free / GIB:.1f} GiB free "
             f"(beside the sleeping engine, margin {margin / GIB:.1f} GiB): ")
     cuda = True
 
     def fits(**knobs) -> bool:
+        knobs.setdefault("micro_batch", micro_batch)
         return sizes(settings, shape, seq_len, cuda=cuda, **knobs).trainer_peak() <= room
 
     def largest_micro_batch(**knobs) -> int:
-        return max((b for b in range(1, t.micro_batch_size) if fits(micro_batch=b, **knobs)), default=0)
+        return max((b for b in range(1, micro_batch) if fits(micro_batch=b, **knobs)), default=0)
 
     b = largest_micro_batch()
     if b:
-        return head + (f"trainer.micro_batch_size={t.micro_batch_size} needs ~{s.activations / GIB:.1f} GiB "
+        return head + (f"trainer.micro_batch_size={micro_batch} needs ~{s.activations / GIB:.1f} GiB "
                        f"of activations; {b} fits")
     if not t.gradient_checkpointing:
         if fits(checkpointing=True):
@@ -487,14 +522,17 @@ def plan_run(settings: RunConfig, model_dir: Path, device: str, task=None,
         t, g = settings.trainer, settings.generator
         t.offload = "all" if t.offload == "auto" else t.offload
         g.gpu_memory_utilization = 0.5 if g.gpu_memory_utilization == "auto" else g.gpu_memory_utilization
-        log.warning("no memory plan for %s (%s): trainer.offload=%s, generator.gpu_memory_utilization=%s",
-                    model_dir, exc, t.offload, g.gpu_memory_utilization)
-        return Plan(t.offload, float(g.gpu_memory_utilization), [])
+        t.micro_batch_size = micro_batch_size(t)
+        log.warning("no memory plan for %s (%s): trainer.offload=%s, generator.gpu_memory_utilization=%s, "
+                    "trainer.micro_batch_size=%s", model_dir, exc, t.offload, g.gpu_memory_utilization,
+                    t.micro_batch_size)
+        return Plan(t.offload, float(g.gpu_memory_utilization), [], t.micro_batch_size)
     plan = plan_memory(settings, shape, sequence_length(settings, task),
                        memory if memory is not None else device_memory(device),
                        engine_on_device=resolve_device(settings.generator.device) != "cpu")
     settings.trainer.offload = plan.offload
     settings.generator.gpu_memory_utilization = plan.gpu_memory_utilization
+    settings.trainer.micro_batch_size = plan.micro_batch_size
     if show:
         print(plan.table(), flush=True)
     return plan

@@ -283,6 +283,47 @@ def test_a_config_that_cannot_fit_is_refused_naming_the_key_and_what_fits():
         plan_memory(too_many, shape, 384, (40 * GIB, H200))
 
 
+def test_auto_micro_batch_is_the_largest_that_fits_beside_the_sleeping_engine():
+    """trainer.micro_batch_size=auto (the default): the plan takes the largest of 32, 16, 8, 4, 2, 1
+    whose trainer peak fits the training room, the same room whose overflow it refuses."""
+    from colo_rl.config import AUTO_MICRO_BATCHES
+
+    real = ("trainer.kernels=liger", "trainer.logprob_chunk=1024", "generator.gpu_memory_utilization=auto")  # on a GPU
+    settings, shape = one_b("trainer.micro_batch_size=auto", *real)
+    assert validate(compose_config()).trainer.micro_batch_size == "auto"  # the default
+    # the H100 of the 1B peer runs (78.68 GiB free): 32, measured there at 44.7 GiB of trainer peak
+    # (RESULTS.md, 2026-12-06f, activations.sh's fp32 arm; planned 46.6)
+    plan = plan_memory(settings, shape, 384, (int(78.68 * GIB), H100))
+    assert plan.micro_batch_size == 32 and "trainer.micro_batch_size -> 32" in plan.table()
+    assert "activations (32 x 384 tokens)" in plan.table()
+    assert plan.predicted["trainer_peak"] == pytest.approx(sizes(settings, shape, 384, cuda=True, micro_batch=32)
+                                                          .trainer_peak() / GIB)
+    # less free memory: smaller, and each choice is the largest that an explicit setting would be
+    # planned with (the next larger one is refused)
+    chosen = {}
+    for free_gib in (45, 36, 34, 32, 30):
+        b = plan_memory(settings, shape, 384, (free_gib * GIB, H200)).micro_batch_size
+        chosen[free_gib] = b
+        plan_memory(one_b(f"trainer.micro_batch_size={b}", *real)[0], shape, 384, (free_gib * GIB, H200))
+        larger = AUTO_MICRO_BATCHES[AUTO_MICRO_BATCHES.index(b) - 1]
+        with pytest.raises(ConfigError, match=f"trainer.micro_batch_size={larger} needs"):
+            plan_memory(one_b(f"trainer.micro_batch_size={larger}", *real)[0], shape, 384, (free_gib * GIB, H200))
+    assert chosen == {45: 16, 36: 8, 34: 4, 32: 2, 30: 1}
+    # never more than a step's sequences
+    few, _ = one_b("trainer.micro_batch_size=auto", "trainer.prompts_per_step=3", "sampling.n=4", *real)
+    assert plan_memory(few, shape, 384, (int(78.68 * GIB), H100)).micro_batch_size == 12
+    # not even one sequence fits: refused, saying so and what would help
+    with pytest.raises(ConfigError, match=r"at micro-batch 1, the least trainer.micro_batch_size=auto tries.*"
+                                          r"use trainer.gradient_checkpointing=true$"):
+        plan_memory(settings, shape, 384, (29 * GIB, H200))
+    # nothing planned: 16, as before auto (the CPU; DDP/FSDP, whose ranks must agree)
+    assert plan_memory(settings, shape, 384, None).micro_batch_size == 16
+    ddp, _ = one_b("trainer.micro_batch_size=auto", "trainer.parallel=ddp", *real)
+    assert plan_memory(ddp, shape, 384, (int(78.68 * GIB), H100)).micro_batch_size == 16
+    # an explicit size is kept
+    assert plan_memory(one_b(*real)[0], shape, 384, (int(78.68 * GIB), H100)).micro_batch_size == 16
+
+
 def test_on_the_cpu_auto_offloads_everything_as_before_and_the_table_prints(tmp_path, capsys):
     from colo_rl.models import prepare_model_dir
     from colo_rl.planner import plan_run
@@ -291,6 +332,7 @@ def test_on_the_cpu_auto_offloads_everything_as_before_and_the_table_prints(tmp_
     plan = plan_run(settings, prepare_model_dir(settings.model, tmp_path), "cpu")
     assert plan.offload == settings.trainer.offload == "all"
     assert settings.generator.gpu_memory_utilization == 0.5
+    assert plan.micro_batch_size == settings.trainer.micro_batch_size == 16  # auto, resolved in the settings
     assert plan.metrics() == {}  # nothing measured on the CPU, nothing predicted
     out = capsys.readouterr().out
     assert "memory plan (CPU run" in out and "trainer.offload -> all" in out
@@ -301,6 +343,10 @@ def test_config_accepts_auto_and_refuses_other_words():
     with pytest.raises(ConfigError, match=r"generator.gpu_memory_utilization='most' must be in \(0, 1\] or auto"):
         validate(compose_config("generator.gpu_memory_utilization=most"))
     assert validate(compose_config("trainer.parallel=fsdp")).trainer.offload == "none"
+    assert validate(compose_config("trainer.micro_batch_size=8")).trainer.micro_batch_size == 8
+    for word in ("half", "0", "1.5", "true"):
+        with pytest.raises(ConfigError, match=rf"trainer.micro_batch_size=.* must be >= 1 or auto"):
+            validate(compose_config(f"trainer.micro_batch_size={word}"))
 
 
 def test_the_summary_shows_predicted_beside_measured(tmp_path, capsys):
@@ -340,4 +386,5 @@ def test_a_model_the_planner_cannot_read_runs_unplanned_as_before(tmp_path, capl
     (model_dir / "config.json").write_text(json.dumps({**config, "model_type": "mixtral", "num_local_experts": 8}))
     plan = plan_run(settings, model_dir, "cuda:0", memory=(24 * GIB, H200))
     assert (plan.offload, settings.trainer.offload, settings.generator.gpu_memory_utilization) == ("all", "all", 0.5)
+    assert settings.trainer.micro_batch_size == plan.micro_batch_size == 16
     assert "no memory plan" in caplog.text and plan.metrics() == {}

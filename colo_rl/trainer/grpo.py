@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 import torch.utils.checkpoint
 
-from colo_rl.config import TrainerConfig, weight_copies
+from colo_rl.config import TrainerConfig, micro_batch_size, weight_copies
 from colo_rl.trainer.flops import ModelShape, step_flops
 from colo_rl.trainer.kernels import apply_liger, compile_layers, decoder_layers, resolve_kernels
 from colo_rl.lora import is_lora, trainable_parameters
@@ -366,7 +366,7 @@ class GRPOTrainer:
         in order of length first, so each micro-batch pads to a length near its own: the loss and
         gradient are sums over sequences with the global batch's normalizer, so the grouping
         changes them only by floating-point summation order."""
-        size = self.cfg.micro_batch_size
+        size = micro_batch_size(self.cfg)
         if self.cfg.sort_by_length and size < len(completions):
             order = sorted(range(len(completions)), key=lambda i: len(prompts[i]) + len(completions[i]))
             prompts, completions = [prompts[i] for i in order], [completions[i] for i in order]
