@@ -69,6 +69,11 @@ LOGITS_COPIES = 1.25
 # backward: one chunk's logits and their gradient in fp32 at once (not measured on a GPU yet)
 CHUNK_LOGITS_COPIES = 2.0
 MARGIN_FRACTION, MARGIN_MIN_GIB = 0.05, 1.0  # kept free: 5 % of the free memory, at least 1 GiB
+# trainer.micro_batch_size=auto leaves this share of its choice's activations free on top: the
+# activation terms are fitted on the 1B shape (within 4 %) and extrapolated to other shapes and
+# lengths (about 15 %), and a choice at the edge of an estimate would fail as an OOM mid-run; a
+# size given by hand is planned as it is
+AUTO_ACTIVATION_HEADROOM = 0.15
 OFFLOAD_CHOICES = ("none", "optimizer", "all")  # least offload first
 CPU_OFFLOAD = "all"  # on the CPU there is no GPU memory to plan: the path runs as before auto existed
 
@@ -417,8 +422,8 @@ def _training_room(free: float, engine_on_device: bool) -> float:
 def _micro_batch(settings: RunConfig, shape: Shape, seq_len: int, device_memory: tuple[int, int] | None,
                  engine_on_device: bool) -> int:
     """trainer.micro_batch_size with auto resolved: on a GPU, the largest of AUTO_MICRO_BATCHES (at
-    most the step's sequences) whose trainer peak fits beside the sleeping engine, or 1 where none
-    does (the refusal then says what would); DEFAULT_MICRO_BATCH on the CPU and under
+    most the step's sequences) whose trainer peak, with AUTO_ACTIVATION_HEADROOM of its activations
+    on top, fits beside the sleeping engine, or 1 where none does (the refusal then says what would); DEFAULT_MICRO_BATCH on the CPU and under
     trainer.parallel (each rank plans on its own device, and the ranks must agree)."""
     t = settings.trainer
     if t.micro_batch_size != "auto":
@@ -429,7 +434,8 @@ def _micro_batch(settings: RunConfig, shape: Shape, seq_len: int, device_memory:
     sequences = t.prompts_per_step * settings.sampling.n
     for b in AUTO_MICRO_BATCHES:
         b = min(b, sequences)
-        if sizes(settings, shape, seq_len, cuda=True, micro_batch=b).trainer_peak() <= room:
+        planned = sizes(settings, shape, seq_len, cuda=True, micro_batch=b)
+        if planned.trainer_peak() + AUTO_ACTIVATION_HEADROOM * planned.activations <= room:
             return b
     return 1
 
