@@ -126,16 +126,16 @@ def report_error(message: str) -> None:
 
 def run_failure(exc: BaseException) -> BaseException | None:
     """For a failure of the run that is not a bug in colo_rl (the engine failed, the user's reward
-    function raised, the training diverged), the exception whose traceback is worth showing
+    function raised, the training diverged or ran out of GPU memory), the exception whose traceback is worth showing
     without `debug` (the reward function's own), or `exc` itself; None for anything else. The
     runner has already logged the checkpoint it wrote and how to resume."""
     from colo_rl.generator import GeneratorError
     from colo_rl.rewards import RewardError
-    from colo_rl.trainer import TrainingDiverged
+    from colo_rl.trainer import TrainerOutOfMemory, TrainingDiverged
 
     if isinstance(exc, RewardError):
         return exc.__cause__ or exc
-    if isinstance(exc, (GeneratorError, TrainingDiverged)):
+    if isinstance(exc, (GeneratorError, TrainerOutOfMemory, TrainingDiverged)):
         return exc
     return None
 

@@ -94,12 +94,14 @@ class InterruptGuard:
 
     @contextmanager
     def deferred(self):
-        """The update window: an exception inside leaves the trainer's state unknown."""
+        """The update window: an exception inside leaves the trainer's state unknown, unless it
+        says otherwise (`state_intact`, e.g. TrainerOutOfMemory before any optimizer step)."""
         self.deferring = True
         try:
             yield
-        except BaseException:
-            self.update_failed = True
+        except BaseException as exc:
+            if not getattr(exc, "state_intact", False):
+                self.update_failed = True
             raise
         finally:
             self.deferring = False

@@ -187,6 +187,14 @@ def test_a_run_failure_is_one_error_line_exit_1_and_a_reward_functions_own_trace
     err = capsys.readouterr().err
     assert info.value.code == 1 and "Traceback" not in err
     assert err.strip() == "colo_rl: error: step 5: the loss or gradient norm was not finite"
+    from colo_rl.trainer import TrainerOutOfMemory
+
+    with pytest.raises(SystemExit) as info:
+        exit_for(TrainerOutOfMemory("the GPU ran out of memory in a train step at trainer.micro_batch_size=32",
+                                    state_intact=True), debug=False)
+    err = capsys.readouterr().err
+    assert info.value.code == 1 and "Traceback" not in err
+    assert err.strip() == "colo_rl: error: the GPU ran out of memory in a train step at trainer.micro_batch_size=32"
 
     def users_reward():
         raise ValueError("bad row")

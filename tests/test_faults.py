@@ -489,3 +489,19 @@ def test_a_failure_while_the_trainer_is_built_stops_the_engine_started_beside_it
     assert (tmp_path / "again" / "engine.log").exists()  # the engine had been started
     assert engine_processes() == before
     assert leftovers(os.getpid(), keep=shared(engine)) == ([], [])
+
+
+def test_an_update_that_failed_with_its_state_intact_is_checkpointed():
+    """The update window marks the trainer's state unknown on any exception, except one that says
+    the state is whole (TrainerOutOfMemory before any optimizer step): then the run's failure
+    handler writes the checkpoint of the last applied step."""
+    from colo_rl.run import InterruptGuard
+    from colo_rl.trainer import TrainerOutOfMemory
+
+    guard = InterruptGuard()
+    with pytest.raises(TrainerOutOfMemory), guard.deferred():
+        raise TrainerOutOfMemory("out of memory in the forward", state_intact=True)
+    assert not guard.update_failed and not guard.deferring
+    with pytest.raises(TrainerOutOfMemory), guard.deferred():
+        raise TrainerOutOfMemory("out of memory in the optimizer's step", state_intact=False)
+    assert guard.update_failed

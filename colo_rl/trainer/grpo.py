@@ -34,6 +34,16 @@ class TrainingDiverged(RuntimeError):
     them changed the trainer, which holds the last finite update's state."""
 
 
+class TrainerOutOfMemory(RuntimeError):
+    """The device ran out of memory in a train step. `state_intact`: it happened before any of the
+    step's optimizer steps began, so the parameters and optimizer state are the previous step's
+    (the partial gradients are dropped) and a checkpoint of them is a whole step's."""
+
+    def __init__(self, message: str, state_intact: bool):
+        super().__init__(message)
+        self.state_intact = state_intact
+
+
 def group_advantages(rewards: torch.Tensor, group_size: int, norm: str, eps: float = 1e-6,
                      std: str = "unbiased") -> torch.Tensor:
     """Each completion's reward relative to its prompt's group: the GRPO advantage.
@@ -281,6 +291,7 @@ class GRPOTrainer:
         self.copies = weight_copies(self.autocast_dtype is not None, self.parallel.enabled, cfg.compile,
                                     is_lora(model), cfg.fp32_activations)
         self.step_count = 0
+        self._optimizer_touched = False  # set once a train step's first optimizer step begins
 
     def train_step(self, prompt_ids: list[list[int]], completion_ids: list[list[int]],
                    rewards: list[float], group_size: int,
@@ -296,6 +307,23 @@ class GRPOTrainer:
             raise ValueError(f"trainer.tis_cap={self.cfg.tis_cap} needs the engine's sampled log-probs: "
                              "pass engine_logprobs (sampling.logprobs=true) or set trainer.tis_cap=null")
         lr = self._set_lr()
+        self._optimizer_touched = False
+        try:
+            return self._train_step(prompt_ids, completion_ids, rewards, group_size, engine_logprobs, lr)
+        except torch.OutOfMemoryError as exc:
+            intact = not self._optimizer_touched
+            if intact:  # only gradients and activations were touched: drop them
+                self.optimizer.zero_grad(set_to_none=True)
+            size = micro_batch_size(self.cfg)
+            advice = (f"set trainer.micro_batch_size={max(1, size // 2)} or trainer.gradient_checkpointing=true"
+                      if size > 1 else "set trainer.gradient_checkpointing=true or a smaller sampling.max_tokens")
+            raise TrainerOutOfMemory(
+                f"the GPU ran out of memory in a train step at trainer.micro_batch_size={size} "
+                f"({str(exc).splitlines()[0] if str(exc) else 'torch.OutOfMemoryError'}): {advice}, and "
+                "resume from the checkpoint" + ("" if intact else " written before this step"),
+                state_intact=intact) from exc
+
+    def _train_step(self, prompt_ids, completion_ids, rewards, group_size, engine_logprobs, lr) -> dict[str, float]:
         advantages = group_advantages(torch.tensor(rewards, dtype=torch.float64), group_size,
                                       self.cfg.advantage_norm, std=self.cfg.advantage_std)
         micro = self._micro_batches([p for p in prompt_ids for _ in range(group_size)],
@@ -396,6 +424,7 @@ class GRPOTrainer:
         if self.parallel.enabled:  # every rank takes the same decision, or their parameters part
             bad = self.parallel.all_sum(float(bad)) > 0
         if not bad:
+            self._optimizer_touched = True  # from here an exception leaves the state half-updated
             self.optimizer.step()
         # The gradients are dead after the step; freeing them leaves a params-sized block more
         # for the engine while it is awake.

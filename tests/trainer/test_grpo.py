@@ -409,3 +409,44 @@ def test_rewarding_one_token_raises_its_probability(model_dir):
         rewards = [c.count(TARGET) / 3 for c in completions]
         trainer.train_step(prompts, completions, rewards, 8)
     assert _target_prob(trainer.model, prompts) > 3 * before
+
+
+def test_running_out_of_gpu_memory_says_what_to_change_and_whether_the_state_is_whole(model_dir):
+    """torch.OutOfMemoryError, raised where the device would raise it (a forward of the second
+    micro-batch; then the optimizer's step), becomes TrainerOutOfMemory: before any optimizer step
+    the parameters and optimizer state are the previous step's and the partial gradients are
+    dropped (state_intact: the run checkpoints them); inside the optimizer's step they are not."""
+    from colo_rl.trainer import TrainerOutOfMemory
+
+    trainer = make_trainer(model_dir, micro_batch_size=2)
+    trainer.train_step(PROMPTS, COMPLETIONS, REWARDS, GROUP)  # optimizer state exists
+    before, moments = params(trainer), {k: v["exp_avg"].clone() for k, v in trainer.optimizer.state.items()}
+    calls = []
+
+    def second_forward_fails(module, args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    hook = trainer.model.register_forward_pre_hook(second_forward_fails)
+    with pytest.raises(TrainerOutOfMemory, match=r"at trainer.micro_batch_size=2 \(CUDA out of memory. Tried "
+                                                 r"to allocate 2.00 GiB\): set trainer.micro_batch_size=1 or "
+                                                 r"trainer.gradient_checkpointing=true") as info:
+        trainer.train_step(PROMPTS, COMPLETIONS, REWARDS, GROUP)
+    hook.remove()
+    assert info.value.state_intact and isinstance(info.value.__cause__, torch.OutOfMemoryError)
+    assert all(torch.equal(p, before[n]) for n, p in params(trainer).items())
+    assert all(p.grad is None for p in trainer.model.parameters())  # the first micro-batch's are gone
+    assert all(torch.equal(trainer.optimizer.state[k]["exp_avg"], m) for k, m in moments.items())
+    assert trainer.step_count == 1
+    # the trainer goes on from there, as a resumed run would
+    trainer.train_step(PROMPTS, COMPLETIONS, REWARDS, GROUP)
+    assert trainer.step_count == 2
+
+    def step_fails(optimizer, args, kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB")
+
+    trainer.optimizer.register_step_pre_hook(step_fails)
+    with pytest.raises(TrainerOutOfMemory, match="resume from the checkpoint written before this step") as info:
+        trainer.train_step(PROMPTS, COMPLETIONS, REWARDS, GROUP)
+    assert not info.value.state_intact
