@@ -306,20 +306,19 @@ def plan_memory(settings: RunConfig, shape: Shape, seq_len: int,
                     notes=[f"the engine's KV cache is generator.cpu_kvcache_gib={g.cpu_kvcache_gib} GiB of host memory"])
 
     free, total = device_memory
+    training_room = _training_room(free, engine_on_device)  # the trainer's peak beside the sleeping engine
     if not engine_on_device:
         _place(components, "none")
-        if s.trainer_peak() + TRAINER_CONTEXT_GIB * GIB + max(MARGIN_FRACTION * free, MARGIN_MIN_GIB * GIB) > free:
-            raise ConfigError(_refusal(settings, shape, seq_len, s, _training_room(free, False), free, 0,
-                                       micro_batch))
+        if s.trainer_peak() > training_room:
+            raise ConfigError(_refusal(settings, shape, seq_len, s, training_room, free, 0, micro_batch))
         return Plan("none" if t.offload == "auto" else t.offload, 0.5 if g.gpu_memory_utilization == "auto"
                     else float(g.gpu_memory_utilization), components, micro_batch, total_gib=total / GIB, free_gib=free / GIB,
                     notes=["generator.device=cpu: the engine takes none of the GPU, the trainer stays on it"])
     margin = max(MARGIN_FRACTION * free, MARGIN_MIN_GIB * GIB)
     room = free - margin - TRAINER_CONTEXT_GIB * GIB  # what the trainer's tensors and the engine share
 
-    # while training: the trainer's peak beside the sleeping engine
-    if s.trainer_peak() + asleep > room:
-        raise ConfigError(_refusal(settings, shape, seq_len, s, room - asleep, free, margin, micro_batch))
+    if s.trainer_peak() > training_room:
+        raise ConfigError(_refusal(settings, shape, seq_len, s, training_room, free, margin, micro_batch))
 
     engine_fixed = s.engine_weights + asleep + ENGINE_ACTIVATION_GIB * GIB
     beyond = ENGINE_BEYOND_BUDGET_GIB * GIB  # held awake outside the engine's budget
@@ -423,8 +422,9 @@ def _micro_batch(settings: RunConfig, shape: Shape, seq_len: int, device_memory:
                  engine_on_device: bool) -> int:
     """trainer.micro_batch_size with auto resolved: on a GPU, the largest of AUTO_MICRO_BATCHES (at
     most the step's sequences) whose trainer peak, with AUTO_ACTIVATION_HEADROOM of its activations
-    on top, fits beside the sleeping engine, or 1 where none does (the refusal then says what would); DEFAULT_MICRO_BATCH on the CPU and under
-    trainer.parallel (each rank plans on its own device, and the ranks must agree)."""
+    on top, fits beside the sleeping engine, or 1 where none does (the refusal then says what
+    would); DEFAULT_MICRO_BATCH on the CPU and under trainer.parallel (each rank plans on its own
+    device, and the ranks must agree)."""
     t = settings.trainer
     if t.micro_batch_size != "auto":
         return t.micro_batch_size

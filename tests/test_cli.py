@@ -47,6 +47,8 @@ COMPOSE_ERRORS = {
     "unknown_kernels": (["trainer.kernels=flash"], "trainer.kernels='flash' must be one of auto, none, liger"),
     "unknown_logprob_kernel": (["trainer.logprob_kernel=triton"],
                                "trainer.logprob_kernel='triton' must be one of auto, compiled, eager"),
+    "micro_batch_size_word": (["trainer.micro_batch_size=half"],
+                              "trainer.micro_batch_size='half' must be >= 1 or auto"),
     "liger_compiled": (["trainer.kernels=liger", "trainer.compile=true"],
                        "trainer.kernels='liger' cannot be combined with trainer.compile=true"),
     "unparsable_override": (["trainer.lr=="], "trainer.lr==: cannot parse this override"),
