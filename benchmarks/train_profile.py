@@ -52,6 +52,29 @@ def synthetic_batch(prompts: int, n: int, prompt_len: int, completion_len: int, 
     return prompt_ids, completion_ids, rewards
 
 
+def trace_ops(prof, names: list[str], cuda: bool) -> list[dict]:
+    """Device time of the ops named, summed by who called them: the chain of enclosing operators
+    (autograd nodes name the backward of what the forward did) and the innermost Python frames
+    (none in backward, which runs on autograd's thread)."""
+    rows: dict[tuple, list] = {}
+    for event in prof.events():
+        if event.name not in names or (cuda and event.device_type.name == "CUDA"):
+            continue
+        callers, parent = [], event.cpu_parent
+        while parent is not None and len(callers) < 4:
+            callers.append(f"{parent.name}{list(parent.input_shapes)[:2] if parent.input_shapes else ''}"[:120])
+            parent = parent.cpu_parent
+        stack = [frame for frame in (event.stack or []) if "torch/" not in frame][:4]
+        key = (event.name, str(event.input_shapes)[:160], tuple(callers), tuple(stack))
+        seconds = (event.device_time_total if cuda else event.cpu_time_total) / 1e6
+        entry = rows.setdefault(key, [0.0, 0])
+        entry[0] += seconds
+        entry[1] += 1
+    ordered = sorted(rows.items(), key=lambda kv: -kv[1][0])
+    return [{"s": s, "calls": c, "op": op, "shapes": shapes, "callers": list(callers), "stack": list(stack)}
+            for (op, shapes, callers, stack), (s, c) in ordered[:40]]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True)
@@ -60,6 +83,9 @@ def main(argv=None) -> int:
     p.add_argument("--smoke", action="store_true", help="CPU: the tiny model, 4 prompts x 2 x 16 tokens")
     p.add_argument("--per-micro-batch-casts", action="store_true",
                    help="autocast casts the weights in every micro-batch (no compute copies): the A/B")
+    p.add_argument("--trace-ops", default="",
+                   help="comma-separated aten ops (e.g. aten::cat,aten::fill_): their device time by the "
+                        "chain of operators and autograd nodes that called them, and the Python stack")
     p.add_argument("overrides", nargs="*", help="Hydra overrides (after --)")
     args = p.parse_args(argv)
 
@@ -114,6 +140,7 @@ def main(argv=None) -> int:
               "torch": torch.__version__, "precision": trainer_precision(settings), "kernels": trainer.kernels,
               "compile": settings.trainer.compile, "weight_copies": trainer.copies,
               "logprob_kernel": "compiled" if trainer.target_logprobs is not _target_logprobs_eager else "eager",
+              "fused_head": trainer.head_ops is not None, "micro_batch_size": settings.trainer.micro_batch_size,
               "warmup_step_s": warmup_s, "step_s": times, "median_step_s": median,
               "model_tflop_per_step": trainer.last_step_flops / 1e12,
               **perf_metrics(trainer.last_step_flops, median, peak)}
@@ -123,8 +150,14 @@ def main(argv=None) -> int:
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities, record_shapes=True) as prof:
+    traced = [op for op in args.trace_ops.split(",") if op]
+    with profile(activities=activities, record_shapes=True, with_stack=bool(traced)) as prof:
         step(100)
+    if traced:
+        result["traced_ops"] = trace_ops(prof, traced, cuda)
+        for row in result["traced_ops"][:16]:
+            print(f"[train_profile] traced {row['s']:7.3f} s x{row['calls']:<5d} {row['op']} <- "
+                  f"{' <- '.join(row['callers'])} | {' < '.join(row['stack'][:3])}", flush=True)
     by_class: dict[str, float] = defaultdict(float)
     kernels = []
     for event in prof.key_averages():

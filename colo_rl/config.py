@@ -256,6 +256,16 @@ class TrainerConfig:
     # head's bf16 logits, where eager runs each op as a pass over fp32 logits). auto: compiled on a
     # CUDA trainer, eager elsewhere (Inductor on a CPU needs a C++ compiler and compiles slowly)
     logprob_kernel: str = "auto"
+    # The output head (a plain bias-free linear layer) and the chunks' log-softmax as one autograd
+    # function (colo_rl/trainer/head.py): the head's weight cast once per micro-batch, not in every
+    # chunk and its recomputation, and its gradient summed over the chunks in fp32 inside the
+    # matmuls on CUDA; same values. false: each chunk through the head module under activation
+    # checkpointing (a LoRA-adapted or otherwise wrapped head always goes that way)
+    fused_head: bool = True
+    # With the fused head: true recomputes each chunk's logits in backward; false keeps them from
+    # forward (micro-batch x max_tokens x vocab in model.dtype at the peak, 1.6 GiB for the 1B peer
+    # workload at micro-batch 32) and saves one head matmul per chunk
+    logprob_recompute: bool = True
     # Sequences go into micro-batches in order of length, so each pads to a length near its own
     # (same loss and gradients up to float summation order); false: in batch order
     sort_by_length: bool = True

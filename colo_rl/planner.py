@@ -259,6 +259,8 @@ def sizes(settings: RunConfig, shape: Shape, seq_len: int, *, cuda: bool, micro_
         responses = micro_batch * settings.sampling.max_tokens
         logits = (CHUNK_LOGITS_COPIES * min(t.logprob_chunk, responses) * shape.vocab * 4
                   + responses * shape.hidden * act_b)  # the gathered final states
+        if t.fused_head and not t.logprob_recompute:  # every response position's logits, kept for backward
+            logits += responses * shape.vocab * act_b
     else:
         logits = LOGITS_COPIES * tokens * shape.vocab * 4
     return _Sizes(weights=weights, grads=trainable * train_b, optimizer=trainable * state_b,

@@ -143,6 +143,16 @@ def test_bf16_activations_trainer_peak_matches_the_h100_measurements(micro_batch
     assert ddp.activations == fp32.activations
 
 
+def test_keeping_the_heads_logits_adds_them_to_the_plan():
+    """trainer.logprob_recompute=false: every response position's logits (micro-batch x max_tokens x
+    vocab, bf16 under mixed precision) stay from forward to backward; the plan counts them."""
+    overrides = ("trainer.micro_batch_size=32", "trainer.kernels=liger", "trainer.logprob_chunk=4096")
+    settings, shape = one_b(*overrides)
+    kept, _ = one_b(*overrides, "trainer.logprob_recompute=false")
+    extra = sizes(kept, shape, 384, cuda=True).activations - sizes(settings, shape, 384, cuda=True).activations
+    assert extra == 32 * 256 * 100352 * 2
+
+
 H100 = 81079 * 2**20  # torch.cuda.mem_get_info's total on the lent H100 (79.2 GiB)
 
 

@@ -22,6 +22,7 @@ import torch.utils.checkpoint
 
 from colo_rl.config import TrainerConfig, micro_batch_size, weight_copies
 from colo_rl.trainer.flops import ModelShape, step_flops
+from colo_rl.trainer.head import EAGER, compiled_ops, fusable, head_logprobs
 from colo_rl.trainer.kernels import apply_liger, compile_layers, decoder_layers, resolve_kernels
 from colo_rl.lora import is_lora, trainable_parameters
 from colo_rl.parallel import Parallel
@@ -276,6 +277,10 @@ class GRPOTrainer:
         self.device = torch.device(device)
         # each chunk of the output head's logits to log-probs (trainer.logprob_kernel)
         self.target_logprobs = target_logprob_function(cfg.logprob_kernel, self.device)
+        # trainer.fused_head: the head and the log-softmax as one function (colo_rl/trainer/head.py)
+        # whenever the head is a plain linear layer; None: each chunk through the head module
+        self.head_ops = ((compiled_ops() if self.target_logprobs is not _target_logprobs_eager else EAGER)
+                         if cfg.fused_head else None)
         trainable = [p for p in model.parameters() if p.requires_grad]  # under LoRA: the adapters
         self.trainable_params = sum(p.numel() for p in trainable)
         # fused AdamW (one kernel for all tensors) on a GPU, as transformers' adamw_torch_fused;
@@ -461,13 +466,17 @@ class GRPOTrainer:
         trainer.logprob_chunk > 0: the output head runs only on the response positions, that many
         at a time, each chunk's logits recomputed in backward (see _chunked_head); padded positions
         get 0. 0: the whole (b, L, vocab) logits, then log_softmax over the gathered positions."""
+        # use_cache=False: Hugging Face models build a KV cache by default, in training too, copying
+        # every layer's keys and values into it (torch.cat in DynamicCache.update), for nothing here
         with torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype or torch.bfloat16,
                             enabled=self.autocast_dtype is not None):
             if self.cfg.logprob_chunk:
-                with _chunked_head(model, mb, self.temperature, self.cfg.logprob_chunk, self.target_logprobs):
+                keep = not self.cfg.logprob_recompute and torch.is_grad_enabled()  # no backward, nothing kept
+                with _chunked_head(model, mb, self.temperature, self.cfg.logprob_chunk, self.target_logprobs,
+                                   self.head_ops, keep_logits=keep):
                     # the patched head returns the (b, T) log-probs in the logits' place
-                    return model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
-            logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
+                    return model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
+            logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
         # The logits at position t predict token t + 1.
         index = (mb.positions - 1).clamp(min=0).unsqueeze(-1).expand(-1, -1, logits.size(-1))
         picked = logits.gather(1, index).float()
@@ -632,14 +641,18 @@ def _chunk_logprobs(head_forward, hidden: torch.Tensor, targets: torch.Tensor, t
 
 @contextmanager
 def _chunked_head(model: torch.nn.Module, mb: _MicroBatch, temperature: float, chunk: int,
-                  target_logprobs):
+                  target_logprobs, head_ops=None, keep_logits: bool = False):
     """While active, the model's output head maps the final hidden states (b, L, hidden) to the
     (b, T) log-probs of mb's response tokens, never the (b, L, vocab) logits: it gathers the
     states that predict each real response token, applies the head to `chunk` of them at a time
     and keeps only each one's log-sum-exp and target logit. Each chunk runs under activation
     checkpointing, so backward too holds one chunk's logits at a time. Patching the head (rather
     than calling the decoder and the head separately) keeps the model's own forward, and with it
-    the DDP, FSDP2 and peft hooks around it, exactly as the full path runs them."""
+    the DDP, FSDP2 and peft hooks around it, exactly as the full path runs them.
+
+    With `head_ops` (trainer.fused_head) and a plain bias-free linear head, the chunks go through
+    colo_rl.trainer.head.head_logprobs instead: the same values, the weight cast once per call and
+    its gradient summed in fp32 by the matmuls."""
     head = _output_head(model)
     own = "forward" in head.__dict__  # an instance-level forward (e.g. accelerate's hooks) to restore
     original = head.forward
@@ -647,8 +660,16 @@ def _chunked_head(model: torch.nn.Module, mb: _MicroBatch, temperature: float, c
     source = (mb.positions[rows, cols] - 1).clamp(min=0)  # the state at t predicts token t + 1
     targets = mb.input_ids[rows, mb.positions[rows, cols]]
 
+    fused = head_ops is not None and fusable(head)
+
     def forward(hidden: torch.Tensor) -> torch.Tensor:
         states = hidden[rows, source]  # (n, hidden)
+        out = torch.zeros(mb.mask.shape, dtype=torch.float32, device=hidden.device)
+        if fused:
+            kind = hidden.device.type
+            dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else head.weight.dtype
+            return out.index_put((rows, cols), head_logprobs(states, head.weight, targets, temperature, chunk,
+                                                             dtype, head_ops, keep_logits))
         grad = torch.is_grad_enabled() and states.requires_grad
         values = []
         for start in range(0, states.size(0), chunk):
@@ -656,7 +677,6 @@ def _chunked_head(model: torch.nn.Module, mb: _MicroBatch, temperature: float, c
                     target_logprobs)
             values.append(torch.utils.checkpoint.checkpoint(_chunk_logprobs, *args, use_reentrant=False)
                           if grad else _chunk_logprobs(*args))
-        out = torch.zeros(mb.mask.shape, dtype=torch.float32, device=hidden.device)
         return out.index_put((rows, cols), torch.cat(values))
 
     head.forward = forward

@@ -55,3 +55,26 @@ def test_compiled_log_softmax_of_the_chunks_matches_the_eager_ops_and_holds_no_m
         a, b = eager.grads[name], compiled.grads[name]
         assert (b - a).norm() <= 1e-3 * a.norm() + 1e-8, name
     assert compiled.peak_bytes <= eager.peak_bytes * 1.05, (compiled.peak_bytes / 2**20, eager.peak_bytes / 2**20)
+
+
+@pytest.mark.parametrize("fp32_activations", [True, False], ids=["autocast", "bf16-activations"])
+def test_the_fused_head_matches_the_generic_chunks_and_holds_no_more(fp32_activations):
+    """trainer.fused_head (the default) against each chunk through the head module under
+    checkpointing, bf16 compute with fp32 masters: the same bf16 logits and fp32 reductions, so the
+    log-probs and loss agree to the rounding of differently shaped bf16 matmuls; the head's weight
+    gradient is summed in fp32 inside the matmuls (the generic path adds bf16 chunk gradients), so
+    gradients agree to bf16 rounding. The fused path keeps no more memory."""
+    def chunked(fused: bool) -> Update:
+        return olmo2_update(TrainerConfig(logprob_chunk=512, micro_batch_size=B, fused_head=fused,
+                                          fp32_activations=fp32_activations),
+                            vocab=32768, layers=2, batch=B, prompt=64, completion=192, shorter_by=7)
+
+    fused, generic = chunked(True), chunked(False)
+    assert fused.trainer.head_ops is not None and generic.trainer.head_ops is None
+    torch.testing.assert_close(fused.logprobs, generic.logprobs, rtol=1e-3, atol=1e-3)
+    assert fused.stats["loss"] == pytest.approx(generic.stats["loss"], rel=1e-3, abs=1e-5)
+    assert fused.grads.keys() == generic.grads.keys() and "lm_head.weight" in fused.grads
+    for name in generic.grads:
+        a, b = generic.grads[name], fused.grads[name]
+        assert (b - a).norm() <= 1e-2 * a.norm() + 1e-8, name
+    assert fused.peak_bytes <= generic.peak_bytes * 1.05, (fused.peak_bytes / 2**20, generic.peak_bytes / 2**20)

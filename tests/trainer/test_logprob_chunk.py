@@ -159,3 +159,102 @@ def test_compiled_log_softmax_of_the_chunks_gives_the_full_paths_loss_and_gradie
     assert full[2].keys() == chunked[2].keys() and full[2]
     for name in full[2]:
         torch.testing.assert_close(chunked[2][name], full[2][name], rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("recompute", [True, False], ids=["recompute", "keep-logits"])
+@pytest.mark.parametrize("lora", [None, ["q_proj", "v_proj"]], ids=["full", "lora"])
+def test_the_fused_head_gives_the_generic_chunks_loss_and_gradients(model_dir, lora, recompute):
+    """trainer.fused_head (the default): the head and the log-softmax as one autograd function
+    give what each chunk through the head module under checkpointing gives, at a temperature,
+    with the head trained (full) and frozen (LoRA elsewhere), its logits recomputed in backward
+    (the default) or kept (trainer.logprob_recompute=false)."""
+    from colo_rl.trainer.head import fusable
+
+    fused_trainer = trainer(policy(model_dir, lora), 5, micro_batch_size=4, logprob_recompute=recompute)
+    assert fused_trainer.head_ops is not None and fusable(_output_head(fused_trainer.model))
+    generic_trainer = trainer(policy(model_dir, lora), 5, micro_batch_size=4, fused_head=False)
+    assert generic_trainer.head_ops is None
+    fused, generic = logprobs_loss_grads(fused_trainer), logprobs_loss_grads(generic_trainer)
+    for a, b in zip(generic[0], fused[0]):
+        torch.testing.assert_close(b, a, rtol=RTOL, atol=ATOL)
+    assert generic[1]["loss"] != 0
+    assert abs(fused[1]["loss"] - generic[1]["loss"]) <= RTOL * abs(generic[1]["loss"]) + ATOL
+    assert fused[2].keys() == generic[2].keys() and fused[2]
+    assert ("lm_head.weight" in fused[2] or "model.embed_tokens.weight" in fused[2]) == (lora is None)
+    for name in generic[2]:
+        torch.testing.assert_close(fused[2][name], generic[2][name], rtol=1e-5, atol=1e-7)
+
+
+def test_a_lora_adapted_head_is_not_fused(model_dir):
+    from colo_rl.trainer.head import fusable
+
+    model = policy(model_dir, ["q_proj", "lm_head"])
+    assert not fusable(_output_head(model))
+    assert fusable(_output_head(policy(model_dir)))
+
+
+def _reference_head(x, w, targets, temperature, dtype):
+    logits = (x.to(dtype) @ w.to(dtype).t()).float() / temperature
+    return logits.log_softmax(-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+@pytest.mark.parametrize("keep_logits", [False, True], ids=["recompute", "keep"])
+@pytest.mark.parametrize("chunk", [1, 3, 64])
+@pytest.mark.parametrize("kernel", ["eager", "compiled"])
+def test_head_logprobs_values_and_gradients_against_autograd(chunk, kernel, keep_logits):
+    """colo_rl.trainer.head.head_logprobs against autograd through matmul and log_softmax, fp32
+    (chunks of 1, of 3 with a shorter last one, and one chunk for all rows; the logits recomputed
+    in backward or kept from forward): the log-probs, the states' and the weight's gradients."""
+    from colo_rl.trainer.head import EAGER, compiled_ops, head_logprobs
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(11, 8, generator=g, requires_grad=True)
+    w = torch.randn(40, 8, generator=g, requires_grad=True)
+    targets = torch.randint(0, 40, (11,), generator=g)
+    upstream = torch.randn(11, generator=g)
+    ops = compiled_ops() if kernel == "compiled" else EAGER
+    ours = head_logprobs(x, w, targets, 0.7, chunk, torch.float32, ops, keep_logits)
+    (ours * upstream).sum().backward()
+    ours_grads = x.grad.clone(), w.grad.clone()
+    x.grad = w.grad = None
+    reference = _reference_head(x, w, targets, 0.7, torch.float32)
+    (reference * upstream).sum().backward()
+    torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ours_grads[0], x.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ours_grads[1], w.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_head_logprobs_in_bf16_keep_fp32_gradients_for_fp32_weights():
+    """Mixed precision: fp32 states and weight, bf16 compute (as under autocast). The log-probs are
+    autograd's through the same bf16 casts; the weight's gradient comes back fp32, summed over the
+    chunks in fp32 (autograd's bf16 product differs from it by bf16 rounding only)."""
+    from colo_rl.trainer.head import head_logprobs
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(13, 16, generator=g, requires_grad=True)
+    w = torch.randn(50, 16, generator=g, requires_grad=True)
+    targets = torch.randint(0, 50, (13,), generator=g)
+    ours = head_logprobs(x, w, targets, 1.0, 4, torch.bfloat16)
+    ours.sum().backward()
+    assert x.grad.dtype == torch.float32 and w.grad.dtype == torch.float32
+    ours_grads = x.grad.clone(), w.grad.clone()
+    x.grad = w.grad = None
+    reference = _reference_head(x, w, targets, 1.0, torch.bfloat16)
+    reference.sum().backward()
+    torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-5)  # bf16 logits of other row blocks: ulps
+    for a, b in zip(ours_grads, (x.grad, w.grad)):
+        assert (a - b).norm() <= 1e-2 * b.norm(), ((a - b).norm(), b.norm())
+
+
+@pytest.mark.parametrize("chunk", [0, 5])
+def test_the_training_forward_builds_no_kv_cache(model_dir, chunk):
+    """Hugging Face models return a KV cache by default, built by concatenating every layer's keys
+    and values; the trainer's forwards (log-probs with gradients, the no-grad reference) ask for
+    none."""
+    model = policy(model_dir)
+    caches = []
+    model.register_forward_hook(lambda module, args, output: caches.append(output.past_key_values))
+    t = trainer(model, chunk, micro_batch_size=4)
+    t.train_step(PROMPTS, COMPLETIONS, REWARDS, GROUP)
+    assert caches and all(cache is None for cache in caches)
+    assert model(input_ids=torch.tensor([[5, 6, 7]])).past_key_values is not None  # the default, for contrast
