@@ -242,6 +242,11 @@ class TrainerConfig:
     # once per update, the gradients still summed into the fp32 masters: fewer bytes moved and
     # kept, at the rounding of a 16-bit residual stream.
     fp32_activations: bool = True
+    # Under the weight copies of mixed precision on a GPU (not with DDP/FSDP, LoRA or compiled
+    # layers): each linear layer's weight gradient is summed into the fp32 master gradient inside
+    # its matmul (Megatron's gradient-accumulation fusion), not made in bf16 and added after: one
+    # pass less over the weights per micro-batch, and no bf16 rounding of each micro-batch's part
+    fuse_grad_accumulation: bool = False
     # adamw: torch AdamW, state in the trainer's dtype. adamw_8bit: bitsandbytes' block-wise 8-bit
     # AdamW (2 bytes of state per parameter instead of 8). adamw_bf16_sr: torchao's AdamW with bf16
     # state and stochastic rounding of bf16 parameters (trainer.precision=pure, model.dtype=bfloat16).

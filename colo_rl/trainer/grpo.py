@@ -22,7 +22,7 @@ import torch.utils.checkpoint
 
 from colo_rl.config import TrainerConfig, micro_batch_size, weight_copies
 from colo_rl.trainer.flops import ModelShape, step_flops
-from colo_rl.trainer.head import EAGER, compiled_ops, fusable, head_logprobs
+from colo_rl.trainer.head import EAGER, accumulate_matmul, compiled_ops, fusable, head_logprobs
 from colo_rl.trainer.kernels import apply_liger, compile_layers, decoder_layers, resolve_kernels
 from colo_rl.lora import is_lora, trainable_parameters
 from colo_rl.parallel import Parallel
@@ -418,7 +418,7 @@ class GRPOTrainer:
         the GPU once per update, so it queues each micro-batch's kernels while the last one runs."""
         sums = torch.zeros(4, dtype=torch.float64, device=self.device)  # loss, clip, kl, tokens
         logprobs_before = []
-        with compute_copies(self.model, self.autocast_dtype, self.copies):
+        with compute_copies(self.model, self.autocast_dtype, self.copies, self.cfg.fuse_grad_accumulation):
             self._accumulate(micro, old, ref, normalizer, sums, logprobs_before)
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
         if hasattr(norm, "full_tensor"):  # FSDP: the norm over all shards, as a DTensor
@@ -690,7 +690,8 @@ def _chunked_head(model: torch.nn.Module, mb: _MicroBatch, temperature: float, c
 
 
 @contextmanager
-def compute_copies(model: Optional[torch.nn.Module], dtype: Optional[torch.dtype], scope: Optional[str]):
+def compute_copies(model: Optional[torch.nn.Module], dtype: Optional[torch.dtype], scope: Optional[str],
+                   fuse_accumulation: bool = False):
     """While active, weights of `model` are `dtype` copies made on entry, whose gradients are added
     into the fp32 masters' .grad by a hook as soon as each backward produces them; on exit the
     masters are the model's parameters again. scope "matmul": each nn.Linear weight of the decoder
@@ -705,7 +706,13 @@ def compute_copies(model: Optional[torch.nn.Module], dtype: Optional[torch.dtype
     autocast's cast of the same weight (autocast leaves a weight already in its dtype alone), and
     upcasting bf16 to fp32 is exact, so each addition is the one AccumulateGrad made. Only weights
     used once per forward: one used twice (tied, or the output head under the chunked head, once
-    per chunk) would have its two gradients summed in bf16 before the hook."""
+    per chunk) would have its two gradients summed in bf16 before the hook.
+
+    fuse_accumulation (trainer.fuse_grad_accumulation): a plain nn.Linear's weight gradient is not
+    made in bf16 at all: its backward sums it into the master's fp32 .grad inside the matmul
+    (`addmm(..., out_dtype=float32)` on CUDA, Megatron's gradient-accumulation fusion): one pass
+    less over each weight per micro-batch, and each micro-batch's gradient is no longer rounded to
+    bf16 before the sum (elsewhere: the bf16 product, then the add, as the hook does)."""
     if model is None or dtype is None or scope is None:
         yield
         return
@@ -721,8 +728,12 @@ def compute_copies(model: Optional[torch.nn.Module], dtype: Optional[torch.dtype
             if (type(master) is not torch.nn.Parameter or not master.is_floating_point()
                     or master.dtype == dtype or uses[id(master)] != 1):
                 continue
-            copy_ = torch.nn.Parameter(master.detach().to(dtype), requires_grad=master.requires_grad)
-            if master.requires_grad:
+            fused = (fuse_accumulation and master.requires_grad and name == "weight"
+                     and type(module) is torch.nn.Linear and "forward" not in module.__dict__)
+            copy_ = torch.nn.Parameter(master.detach().to(dtype), requires_grad=master.requires_grad and not fused)
+            if fused:
+                module.forward = functools.partial(_linear_into_master, module, master)
+            elif master.requires_grad:
                 copy_.register_post_accumulate_grad_hook(_grad_into(master))
             module._parameters[name] = copy_
             swapped.append((module, name, master))
@@ -731,6 +742,38 @@ def compute_copies(model: Optional[torch.nn.Module], dtype: Optional[torch.dtype
     finally:
         for module, name, master in swapped:
             module._parameters[name] = master
+            if isinstance(module.__dict__.get("forward"), functools.partial):
+                del module.forward  # back to nn.Linear's
+
+
+class _LinearIntoMaster(torch.autograd.Function):
+    """x @ weight.T for a compute copy `weight` (no gradient of its own): backward returns the
+    input's gradient and adds the weight's into the master's .grad (colo_rl.trainer.head's fused
+    accumulation)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, master_box):
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            xc = x.to(weight.dtype)  # autocast's cast of the input, made here
+            ctx.save_for_backward(xc, weight)
+            ctx.master, ctx.x_dtype = master_box[0], x.dtype
+            return xc @ weight.t()
+
+    @staticmethod
+    def backward(ctx, grad):
+        xc, weight = ctx.saved_tensors
+        master = ctx.master
+        if ctx.needs_input_grad[0]:
+            grad_x = (grad @ weight).to(ctx.x_dtype)
+        else:
+            grad_x = None
+        master.grad = accumulate_matmul(master.grad, grad.reshape(-1, grad.size(-1)).t(),
+                                        xc.reshape(-1, xc.size(-1)), master.dtype)
+        return grad_x, None, None
+
+
+def _linear_into_master(module: torch.nn.Linear, master: torch.nn.Parameter, x: torch.Tensor) -> torch.Tensor:
+    return _LinearIntoMaster.apply(x, module.weight, (master,))
 
 
 def _grad_into(master: torch.nn.Parameter):

@@ -81,7 +81,7 @@ def compiled_ops() -> ChunkOps:
     return ChunkOps(torch.compile(_stats, dynamic=None), torch.compile(_grad, dynamic=None))
 
 
-def _accumulate(total: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def accumulate_matmul(total: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """total + a @ b in `dtype` (the weight's): on CUDA a bf16 product is summed in fp32 inside the
     matmul (no bf16 gradient, no cast, no separate add); elsewhere the product, then the add."""
     fused = a.is_cuda and a.dtype != dtype
@@ -123,7 +123,7 @@ class _HeadLogprobs(torch.autograd.Function):
             if want_x:
                 torch.mm(g, w, out=grad_x[start:end])
             if want_w:
-                grad_w = _accumulate(grad_w, g.t(), x[start:end], weight_dtype)
+                grad_w = accumulate_matmul(grad_w, g.t(), x[start:end], weight_dtype)
         if want_w and grad_w is None:  # no rows
             grad_w = torch.zeros(w.shape, dtype=weight_dtype, device=w.device)
         return (grad_x.to(states_dtype) if want_x else None), grad_w, None, None, None, None, None, None

@@ -54,3 +54,22 @@ def test_weights_cast_once_per_update_give_the_same_step_bit_for_bit():
     assert once.grads.keys() == per_micro.grads.keys()
     for name, grad in per_micro.grads.items():
         assert grad.dtype == torch.float32 and torch.equal(once.grads[name], grad), name
+
+
+@pytest.mark.parametrize("fp32_activations", [True, False], ids=["autocast", "bf16-activations"])
+def test_fused_gradient_accumulation_changes_only_the_rounding_of_the_weight_gradients(fp32_activations):
+    """trainer.fuse_grad_accumulation: each linear layer's weight gradient is summed into the fp32
+    master gradient inside its matmul (addmm out_dtype=float32) instead of made in bf16 and added.
+    Forward is the same computation (the log-probs and loss bit for bit); the linear weights'
+    gradients differ by the bf16 rounding of each micro-batch's share the hook path makes (so they
+    are not equal: the fused path ran), everything else's not at all."""
+    with sdpa_kernel(SDPBackend.MATH):
+        hook = step(fp32_activations=fp32_activations)
+        fused = step(fp32_activations=fp32_activations, fuse_grad_accumulation=True)
+    assert torch.equal(fused.logprobs, hook.logprobs)
+    assert fused.stats["loss"] == hook.stats["loss"]
+    linears = [n for n in hook.grads if ".layers." in n and n.endswith("proj.weight")]
+    assert linears and any(not torch.equal(fused.grads[n], hook.grads[n]) for n in linears)
+    for name, grad in hook.grads.items():
+        assert fused.grads[name].dtype == torch.float32
+        assert (fused.grads[name] - grad).norm() <= 1e-2 * grad.norm() + 1e-8, name

@@ -207,16 +207,21 @@ def summed_in_fp32(model: torch.nn.Module, checkpointing: bool) -> dict[str, tor
     return total
 
 
+@pytest.mark.parametrize("fuse", [False, True], ids=["hook", "fused-accumulation"])
 @pytest.mark.parametrize("scope", ["matmul", "all"])
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["stored", "recomputed"])
-def test_compute_copies_give_the_gradients_of_the_model_they_emulate_bit_for_bit(tmp_path, checkpointing, scope):
+def test_compute_copies_give_the_gradients_of_the_model_they_emulate_bit_for_bit(tmp_path, checkpointing, scope,
+                                                                                 fuse):
     """Mixed precision casts weights to bf16 once per update (compute_copies), not in every
     micro-batch's forward, and adds each bf16 weight gradient into the fp32 .grad in one pass.
     scope "matmul" (trainer.fp32_activations=true): the gradients are autocast's own on the fp32
     model, bit for bit. "all" (false): those of the model with every weight but the output head in
     bf16 (verl's and Megatron's mixed precision), summed over micro-batches in fp32. With
     activations recomputed in backward too; the masters are the model's parameters afterwards. CPU
-    autocast here; tests/gpu/test_kernels_gpu.py compares whole trainer updates on CUDA."""
+    autocast here; tests/gpu/test_kernels_gpu.py compares whole trainer updates on CUDA.
+    fused-accumulation (trainer.fuse_grad_accumulation): the linear layers' weight gradients go
+    into the masters from their own backward (the copies get none); on a CPU by the same bf16
+    product and fp32 add, so bit for bit too (on CUDA the sum happens inside the matmul)."""
     from colo_rl.trainer.grpo import compute_copies
 
     model_dir = write_embedded_model(ModelConfig(), tmp_path / "model")
@@ -229,10 +234,14 @@ def test_compute_copies_give_the_gradients_of_the_model_they_emulate_bit_for_bit
 
     model = load_policy(ModelConfig(), model_dir, "cpu")
     masters = dict(model.named_parameters())
-    with compute_copies(model, torch.bfloat16, scope):
+    with compute_copies(model, torch.bfloat16, scope, fuse_accumulation=fuse):
         computed_in = {n: p.dtype for n, p in model.named_parameters()}
+        copies_with_grad = {n for n, p in model.named_parameters() if p.requires_grad}
         backward_each(model, checkpointing)
     assert all(p is masters[n] for n, p in model.named_parameters())
+    assert all("forward" not in m.__dict__ for m in model.modules())  # nn.Linear's own forward again
+    linears = {n for n in masters if ".layers." in n and n.endswith("proj.weight")}
+    assert not (linears & copies_with_grad) if fuse else linears <= copies_with_grad
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in masters.values())
     assert {n for n, d in computed_in.items() if d == torch.bfloat16} == (
         {n for n in masters if ".layers." in n and n.endswith("proj.weight")} if scope == "matmul"
