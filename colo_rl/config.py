@@ -246,7 +246,8 @@ class TrainerConfig:
     # layers): each linear layer's weight gradient is summed into the fp32 master gradient inside
     # its matmul (Megatron's gradient-accumulation fusion), not made in bf16 and added after: one
     # pass less over the weights per micro-batch, and no bf16 rounding of each micro-batch's part
-    fuse_grad_accumulation: bool = False
+    # (H100, 1B peer workload at micro-batch 32: train step 1.41 -> 1.39 s)
+    fuse_grad_accumulation: bool = True
     # adamw: torch AdamW, state in the trainer's dtype. adamw_8bit: bitsandbytes' block-wise 8-bit
     # AdamW (2 bytes of state per parameter instead of 8). adamw_bf16_sr: torchao's AdamW with bf16
     # state and stochastic rounding of bf16 parameters (trainer.precision=pure, model.dtype=bfloat16).

@@ -46,8 +46,8 @@ def test_weights_cast_once_per_update_give_the_same_step_bit_for_bit():
     """compute_copies (the decoder layers' weights in bf16 once per update, each gradient added into
     the fp32 .grad in one pass) against autocast's cast in every micro-batch: the same log-probs,
     loss and gradients, bit for bit (the math attention kernel: its backward is deterministic)."""
-    with sdpa_kernel(SDPBackend.MATH):
-        per_micro, once = step(cast_once=False), step()
+    with sdpa_kernel(SDPBackend.MATH):  # the hook's bf16 gradient and fp32 add: autocast's own sum
+        per_micro, once = step(cast_once=False), step(fuse_grad_accumulation=False)
     assert once.trainer.copies == "matmul" and per_micro.trainer.copies is None
     assert torch.equal(once.logprobs, per_micro.logprobs)
     assert once.stats["loss"] == per_micro.stats["loss"] and once.stats["grad_norm"] == per_micro.stats["grad_norm"]
@@ -58,14 +58,15 @@ def test_weights_cast_once_per_update_give_the_same_step_bit_for_bit():
 
 @pytest.mark.parametrize("fp32_activations", [True, False], ids=["autocast", "bf16-activations"])
 def test_fused_gradient_accumulation_changes_only_the_rounding_of_the_weight_gradients(fp32_activations):
-    """trainer.fuse_grad_accumulation: each linear layer's weight gradient is summed into the fp32
-    master gradient inside its matmul (addmm out_dtype=float32) instead of made in bf16 and added.
+    """trainer.fuse_grad_accumulation (the default): each linear layer's weight gradient is summed
+    into the fp32 master gradient inside its matmul (addmm out_dtype=float32) instead of made in
+    bf16 and added.
     Forward is the same computation (the log-probs and loss bit for bit); the linear weights'
     gradients differ by the bf16 rounding of each micro-batch's share the hook path makes (so they
-    are not equal: the fused path ran), everything else's not at all."""
+    are not equal: the fused path ran), everything else's by no more than that."""
     with sdpa_kernel(SDPBackend.MATH):
-        hook = step(fp32_activations=fp32_activations)
-        fused = step(fp32_activations=fp32_activations, fuse_grad_accumulation=True)
+        hook = step(fp32_activations=fp32_activations, fuse_grad_accumulation=False)
+        fused = step(fp32_activations=fp32_activations)  # the default
     assert torch.equal(fused.logprobs, hook.logprobs)
     assert fused.stats["loss"] == hook.stats["loss"]
     linears = [n for n in hook.grads if ".layers." in n and n.endswith("proj.weight")]

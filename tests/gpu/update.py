@@ -34,11 +34,15 @@ class Update:
 
 
 def olmo2_update(cfg: TrainerConfig, *, vocab: int, layers: int, batch: int, prompt: int, completion: int,
-                 shorter_by: int, cast_once: bool = True) -> Update:
+                 shorter_by: int, cast_once: bool = True, warmup: bool = True) -> Update:
     """The update of `batch` random sequences (prompt tokens, then completion - shorter_by * i
     response tokens for sequence i) with advantages from -0.5 to 1. The optimizer is SGD at lr 0
     that records the gradients, so two calls start from the same seeded model and data.
-    cast_once=False casts the weights in every micro-batch, as autocast does (see compute_copies)."""
+    cast_once=False casts the weights in every micro-batch, as autocast does (see compute_copies).
+    warmup: the same update once before the measured one (SGD at lr 0 changes nothing), so that
+    torch.compile'd functions (the log-softmax of the head's chunks) are compiled before the peak
+    is measured: whether a call compiles depends on what the process compiled before (Inductor's
+    autotuning and a recompilation for dynamic shapes allocate memory of their own)."""
     torch.manual_seed(0)
     config = Olmo2Config(vocab_size=vocab, hidden_size=256, intermediate_size=1024, num_hidden_layers=layers,
                          num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False)
@@ -52,6 +56,8 @@ def olmo2_update(cfg: TrainerConfig, *, vocab: int, layers: int, batch: int, pro
     completions = [torch.randint(1, vocab, (completion - shorter_by * i,), generator=g).tolist()
                    for i in range(batch)]
     micro = trainer._micro_batches(prompts, completions, torch.linspace(-0.5, 1, batch), None)
+    if warmup:
+        update_recording_grads(trainer, micro, float(batch * completion))
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
