@@ -31,7 +31,8 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from colo_rl.config import (AUTO_MICRO_BATCHES, DEFAULT_MICRO_BATCH, ConfigError, RunConfig, micro_batch_size,
+from colo_rl.config import (AUTO_MICRO_BATCHES, DEFAULT_MICRO_BATCH, ConfigError, RunConfig, logprob_recompute,
+                             micro_batch_size,
                             trainer_precision, weight_copies)
 
 log = logging.getLogger("colo_rl")
@@ -167,6 +168,7 @@ class Plan:
     gpu_memory_utilization: float
     components: list[Component]
     micro_batch_size: int = DEFAULT_MICRO_BATCH
+    logprob_recompute: bool = True
     total_gib: float | None = None  # None: a CPU run, nothing planned on a GPU
     free_gib: float | None = None
     margin_gib: float = 0.0
@@ -191,7 +193,8 @@ class Plan:
                     f"engine, margin {self.margin_gib:.1f} GiB")
         tail = [f"trainer.offload -> {self.offload}",
                 f"generator.gpu_memory_utilization -> {self.gpu_memory_utilization:.3f}",
-                f"trainer.micro_batch_size -> {self.micro_batch_size}"]
+                f"trainer.micro_batch_size -> {self.micro_batch_size}",
+                f"trainer.logprob_recompute -> {str(self.logprob_recompute).lower()}"]
         tail += [f"predicted {k}: {v:.2f} GiB" for k, v in self.predicted.items()]
         return "\n".join([head, *lines, *tail, *self.notes])
 
@@ -225,9 +228,11 @@ class _Sizes:
 
 
 def sizes(settings: RunConfig, shape: Shape, seq_len: int, *, cuda: bool, micro_batch: int | None = None,
-          checkpointing: bool | None = None, optimizer: str | None = None) -> _Sizes:
+          checkpointing: bool | None = None, optimizer: str | None = None,
+          recompute: bool | None = None) -> _Sizes:
     t = settings.trainer
     micro_batch = micro_batch or micro_batch_size(t)
+    recompute = logprob_recompute(t) if recompute is None else recompute
     checkpointing = t.gradient_checkpointing if checkpointing is None else checkpointing
     optimizer = optimizer or t.optimizer
     mixed = trainer_precision(settings) == "mixed"
@@ -259,7 +264,7 @@ def sizes(settings: RunConfig, shape: Shape, seq_len: int, *, cuda: bool, micro_
         responses = micro_batch * settings.sampling.max_tokens
         logits = (CHUNK_LOGITS_COPIES * min(t.logprob_chunk, responses) * shape.vocab * 4
                   + responses * shape.hidden * act_b)  # the gathered final states
-        if t.fused_head and not t.logprob_recompute:  # every response position's logits, kept for backward
+        if t.fused_head and not recompute:  # every response position's logits, kept for backward
             logits += responses * shape.vocab * act_b
     else:
         logits = LOGITS_COPIES * tokens * shape.vocab * 4
@@ -281,7 +286,8 @@ def plan_memory(settings: RunConfig, shape: Shape, seq_len: int,
     t, g = settings.trainer, settings.generator
     cuda = device_memory is not None
     micro_batch = _micro_batch(settings, shape, seq_len, device_memory, engine_on_device)
-    s = sizes(settings, shape, seq_len, cuda=cuda, micro_batch=micro_batch)
+    recompute = _recompute(settings, shape, seq_len, device_memory, engine_on_device, micro_batch)
+    s = sizes(settings, shape, seq_len, cuda=cuda, micro_batch=micro_batch, recompute=recompute)
     asleep = ENGINE_ASLEEP_GIB * GIB if cuda else 0.0
     components = [
         Component("trainer weights" + (" (fp32 masters)" if trainer_precision(settings) == "mixed" else ""),
@@ -294,7 +300,9 @@ def plan_memory(settings: RunConfig, shape: Shape, seq_len: int,
     if s.autocast:
         components.append(Component(f"autocast {settings.model.dtype} weight copies", s.autocast, "-", "GPU"))
     components.append(Component(f"activations ({micro_batch} x {seq_len} tokens"
-                                + (", checkpointed" if t.gradient_checkpointing else "") + ")",
+                                + (", checkpointed" if t.gradient_checkpointing else "")
+                                + (", head's logits kept" if t.fused_head and t.logprob_chunk and not recompute else "")
+                                + ")",
                                 s.activations, "-", "GPU"))
     if s.push_copy:
         components.append(Component(f"push copy in {settings.model.dtype}", s.push_copy, "GPU (during push)", "-"))
@@ -304,7 +312,7 @@ def plan_memory(settings: RunConfig, shape: Shape, seq_len: int,
         offload = CPU_OFFLOAD if t.offload == "auto" else t.offload
         util = g.gpu_memory_utilization if g.gpu_memory_utilization != "auto" else 0.5
         _place(components, offload)
-        return Plan(offload, float(util), components, micro_batch,
+        return Plan(offload, float(util), components, micro_batch, recompute,
                     notes=[f"the engine's KV cache is generator.cpu_kvcache_gib={g.cpu_kvcache_gib} GiB of host memory"])
 
     free, total = device_memory
@@ -314,7 +322,8 @@ def plan_memory(settings: RunConfig, shape: Shape, seq_len: int,
         if s.trainer_peak() > training_room:
             raise ConfigError(_refusal(settings, shape, seq_len, s, training_room, free, 0, micro_batch))
         return Plan("none" if t.offload == "auto" else t.offload, 0.5 if g.gpu_memory_utilization == "auto"
-                    else float(g.gpu_memory_utilization), components, micro_batch, total_gib=total / GIB, free_gib=free / GIB,
+                    else float(g.gpu_memory_utilization), components, micro_batch, recompute, total_gib=total / GIB,
+                    free_gib=free / GIB,
                     notes=["generator.device=cpu: the engine takes none of the GPU, the trainer stays on it"])
     margin = max(MARGIN_FRACTION * free, MARGIN_MIN_GIB * GIB)
     room = free - margin - TRAINER_CONTEXT_GIB * GIB  # what the trainer's tensors and the engine share
@@ -408,7 +417,8 @@ def plan_memory(settings: RunConfig, shape: Shape, seq_len: int,
     if t.offload == "auto":
         notes.append(f"offload=auto: {chosen} is the least offload with the awake engine's "
                      f"{util * total / GIB:.1f} GiB, the trainer's {resident / GIB:.1f} GiB and the margin on the device")
-    return Plan(chosen, util, components, micro_batch, total_gib=total / GIB, free_gib=free / GIB, margin_gib=margin / GIB,
+    return Plan(chosen, util, components, micro_batch, recompute, total_gib=total / GIB, free_gib=free / GIB,
+                margin_gib=margin / GIB,
                 predicted=predicted, notes=notes,
                 engine_wake_bytes=wake if t.keep_cache else 0.0)
 
@@ -440,6 +450,22 @@ def _micro_batch(settings: RunConfig, shape: Shape, seq_len: int, device_memory:
         if planned.trainer_peak() + AUTO_ACTIVATION_HEADROOM * planned.activations <= room:
             return b
     return 1
+
+
+def _recompute(settings: RunConfig, shape: Shape, seq_len: int, device_memory: tuple[int, int] | None,
+               engine_on_device: bool, micro_batch: int) -> bool:
+    """trainer.logprob_recompute with auto resolved: on a GPU, with the fused chunked head and no
+    trainer.parallel, keep the head's logits (false) where the trainer's peak with them, and
+    AUTO_ACTIVATION_HEADROOM of its activations on top, still fits beside the sleeping engine at
+    the micro-batch already chosen; else recompute (true)."""
+    t = settings.trainer
+    if t.logprob_recompute != "auto":
+        return bool(t.logprob_recompute)
+    if device_memory is None or t.parallel != "none" or not t.fused_head or not t.logprob_chunk:
+        return True
+    kept = sizes(settings, shape, seq_len, cuda=True, micro_batch=micro_batch, recompute=False)
+    room = _training_room(device_memory[0], engine_on_device)
+    return kept.trainer_peak() + AUTO_ACTIVATION_HEADROOM * kept.activations > room
 
 
 def free_awake(free: float, total: float, resident: float, util: float) -> float:
@@ -531,16 +557,18 @@ def plan_run(settings: RunConfig, model_dir: Path, device: str, task=None,
         t.offload = "all" if t.offload == "auto" else t.offload
         g.gpu_memory_utilization = 0.5 if g.gpu_memory_utilization == "auto" else g.gpu_memory_utilization
         t.micro_batch_size = micro_batch_size(t)
+        t.logprob_recompute = logprob_recompute(t)
         log.warning("no memory plan for %s (%s): trainer.offload=%s, generator.gpu_memory_utilization=%s, "
                     "trainer.micro_batch_size=%s", model_dir, exc, t.offload, g.gpu_memory_utilization,
                     t.micro_batch_size)
-        return Plan(t.offload, float(g.gpu_memory_utilization), [], t.micro_batch_size)
+        return Plan(t.offload, float(g.gpu_memory_utilization), [], t.micro_batch_size, t.logprob_recompute)
     plan = plan_memory(settings, shape, sequence_length(settings, task),
                        memory if memory is not None else device_memory(device),
                        engine_on_device=resolve_device(settings.generator.device) != "cpu")
     settings.trainer.offload = plan.offload
     settings.generator.gpu_memory_utilization = plan.gpu_memory_utilization
     settings.trainer.micro_batch_size = plan.micro_batch_size
+    settings.trainer.logprob_recompute = plan.logprob_recompute
     if show:
         print(plan.table(), flush=True)
     return plan

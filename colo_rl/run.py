@@ -293,6 +293,7 @@ def _train(cfg: DictConfig, settings: RunConfig, generator: VLLMGenerator | None
         config["trainer"]["offload"] = settings.trainer.offload
         config["trainer"]["kernels"] = settings.trainer.kernels
         config["trainer"]["micro_batch_size"] = settings.trainer.micro_batch_size
+        config["trainer"]["logprob_recompute"] = settings.trainer.logprob_recompute
         config["generator"]["gpu_memory_utilization"] = settings.generator.gpu_memory_utilization
         logger = MetricsLogger(settings.logger, output_dir=output_dir, config=config, group=group,
                                name=name, total_steps=t.steps, initial_step=start_step,

@@ -299,7 +299,8 @@ def test_auto_micro_batch_is_the_largest_that_fits_beside_the_sleeping_engine():
     of the activations' estimate to spare."""
     from colo_rl.config import AUTO_MICRO_BATCHES
 
-    real = ("trainer.kernels=liger", "trainer.logprob_chunk=1024", "generator.gpu_memory_utilization=auto")  # on a GPU
+    real = ("trainer.kernels=liger", "trainer.logprob_chunk=1024", "generator.gpu_memory_utilization=auto",
+            "trainer.logprob_recompute=true")  # on a GPU; the logits kept or not: the next test
     settings, shape = one_b("trainer.micro_batch_size=auto", *real)
     assert validate(compose_config()).trainer.micro_batch_size == "auto"  # the default
     # the H100 of the 1B peer runs (78.68 GiB free): 32, measured there at 44.7 GiB of trainer peak
@@ -338,6 +339,43 @@ def test_auto_micro_batch_is_the_largest_that_fits_beside_the_sleeping_engine():
     assert plan_memory(ddp, shape, 384, (int(78.68 * GIB), H100)).micro_batch_size == 16
     # an explicit size is kept
     assert plan_memory(one_b(*real)[0], shape, 384, (int(78.68 * GIB), H100)).micro_batch_size == 16
+
+
+def test_auto_keeps_the_heads_logits_where_they_fit_after_the_micro_batch():
+    """trainer.logprob_recompute=auto (the default): after the micro-batch is chosen, the plan keeps
+    the head's logits for backward (false) where the trainer's peak with them, with 15 % of the
+    activations to spare, still fits the training room; else recomputes them (true). Given by
+    hand: as given. Nothing planned (CPU, DDP): true."""
+    from colo_rl.planner import _training_room
+
+    real = ("trainer.kernels=liger", "trainer.logprob_chunk=1024", "generator.gpu_memory_utilization=auto",
+            "trainer.micro_batch_size=auto")
+    settings, shape = one_b(*real)
+    assert validate(compose_config()).trainer.logprob_recompute == "auto"  # the default
+    plan = plan_memory(settings, shape, 384, (int(78.68 * GIB), H100))  # the H100 of the peer runs
+    assert plan.micro_batch_size == 32 and plan.logprob_recompute is False
+    assert "trainer.logprob_recompute -> false" in plan.table() and "head's logits kept" in plan.table()
+    kept = sizes(settings, shape, 384, cuda=True, micro_batch=32, recompute=False)
+    recomputed = sizes(settings, shape, 384, cuda=True, micro_batch=32, recompute=True)
+    assert kept.activations - recomputed.activations == 32 * 256 * 100352 * 2
+    assert plan.predicted["trainer_peak"] == pytest.approx(kept.trainer_peak() / GIB)
+    # the micro-batch comes first: on a card where 32 fits only with the logits recomputed, 32 and true
+    plans = {f: plan_memory(settings, shape, 384, (int(f * GIB), H100)) for f in (x / 4 for x in range(180, 300))}
+    edge = [f for f, p in plans.items() if p.micro_batch_size == 32 and p.logprob_recompute]
+    assert edge
+    for f in edge:
+        room = _training_room(int(f * GIB), True)
+        assert kept.trainer_peak() + 0.15 * kept.activations > room
+        assert plans[f].predicted["trainer_peak"] == pytest.approx(recomputed.trainer_peak() / GIB)
+    assert all(not p.logprob_recompute for f, p in plans.items() if f > max(edge) + 1)
+    # given by hand: as given; nothing planned: recomputed
+    given = one_b(*real, "trainer.logprob_recompute=false")[0]
+    assert plan_memory(given, shape, 384, (int(edge[0] * GIB), H100)).logprob_recompute is False
+    assert plan_memory(settings, shape, 384, None).logprob_recompute is True
+    ddp = one_b(*real, "trainer.parallel=ddp")[0]
+    assert plan_memory(ddp, shape, 384, (int(78.68 * GIB), H100)).logprob_recompute is True
+    with pytest.raises(ConfigError, match="trainer.logprob_recompute"):
+        validate(compose_config("trainer.logprob_recompute=sometimes"))
 
 
 def test_on_the_cpu_auto_offloads_everything_as_before_and_the_table_prints(tmp_path, capsys):

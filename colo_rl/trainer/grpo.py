@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 import torch.utils.checkpoint
 
-from colo_rl.config import TrainerConfig, micro_batch_size, weight_copies
+from colo_rl.config import TrainerConfig, logprob_recompute, micro_batch_size, weight_copies
 from colo_rl.trainer.flops import ModelShape, step_flops
 from colo_rl.trainer.head import EAGER, accumulate_matmul, compiled_ops, fusable, head_logprobs
 from colo_rl.trainer.kernels import apply_liger, compile_layers, decoder_layers, resolve_kernels
@@ -471,7 +471,7 @@ class GRPOTrainer:
         with torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype or torch.bfloat16,
                             enabled=self.autocast_dtype is not None):
             if self.cfg.logprob_chunk:
-                keep = not self.cfg.logprob_recompute and torch.is_grad_enabled()  # no backward, nothing kept
+                keep = not logprob_recompute(self.cfg) and torch.is_grad_enabled()  # no backward, nothing kept
                 with _chunked_head(model, mb, self.temperature, self.cfg.logprob_chunk, self.target_logprobs,
                                    self.head_ops, keep_logits=keep):
                     # the patched head returns the (b, T) log-probs in the logits' place
