@@ -32,8 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from colo_rl.config import (AUTO_MICRO_BATCHES, DEFAULT_MICRO_BATCH, ConfigError, RunConfig, logprob_recompute,
-                             micro_batch_size,
-                            trainer_precision, weight_copies)
+                            micro_batch_size, trainer_precision, weight_copies)
 
 log = logging.getLogger("colo_rl")
 
@@ -446,10 +445,15 @@ def _micro_batch(settings: RunConfig, shape: Shape, seq_len: int, device_memory:
     sequences = t.prompts_per_step * settings.sampling.n
     for b in AUTO_MICRO_BATCHES:
         b = min(b, sequences)
-        planned = sizes(settings, shape, seq_len, cuda=True, micro_batch=b)
-        if planned.trainer_peak() + AUTO_ACTIVATION_HEADROOM * planned.activations <= room:
+        if _fits_with_headroom(sizes(settings, shape, seq_len, cuda=True, micro_batch=b), room):
             return b
     return 1
+
+
+def _fits_with_headroom(s: _Sizes, room: float) -> bool:
+    """Whether an auto choice fits: the trainer's peak with AUTO_ACTIVATION_HEADROOM of its
+    activations on top, within `room` bytes."""
+    return s.trainer_peak() + AUTO_ACTIVATION_HEADROOM * s.activations <= room
 
 
 def _recompute(settings: RunConfig, shape: Shape, seq_len: int, device_memory: tuple[int, int] | None,
@@ -464,8 +468,7 @@ def _recompute(settings: RunConfig, shape: Shape, seq_len: int, device_memory: t
     if device_memory is None or t.parallel != "none" or not t.fused_head or not t.logprob_chunk:
         return True
     kept = sizes(settings, shape, seq_len, cuda=True, micro_batch=micro_batch, recompute=False)
-    room = _training_room(device_memory[0], engine_on_device)
-    return kept.trainer_peak() + AUTO_ACTIVATION_HEADROOM * kept.activations > room
+    return not _fits_with_headroom(kept, _training_room(device_memory[0], engine_on_device))
 
 
 def free_awake(free: float, total: float, resident: float, util: float) -> float:

@@ -22,7 +22,7 @@ import torch.utils.checkpoint
 
 from colo_rl.config import TrainerConfig, logprob_recompute, micro_batch_size, weight_copies
 from colo_rl.trainer.flops import ModelShape, step_flops
-from colo_rl.trainer.head import EAGER, accumulate_matmul, compiled_ops, fusable, head_logprobs
+from colo_rl.trainer.head import EAGER, accumulate_matmul, compiled_ops, fusable, head_logprobs, logprob_stats
 from colo_rl.trainer.kernels import apply_liger, compile_layers, decoder_layers, resolve_kernels
 from colo_rl.lora import is_lora, trainable_parameters
 from colo_rl.parallel import Parallel
@@ -600,10 +600,7 @@ def _output_head(model: torch.nn.Module) -> torch.nn.Module:
 def _target_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
     """(n,) log-probs of `targets` from (n, vocab) logits in the head's dtype: the log-sum-exp in
     fp32 (as the full path's `.float().log_softmax`)."""
-    logits = logits.float()
-    if temperature > 0 and temperature != 1:
-        logits = logits / temperature
-    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(dim=-1)
+    return logprob_stats(logits, targets, temperature)[0]
 
 
 def _target_logprobs_eager(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -763,10 +760,7 @@ class _LinearIntoMaster(torch.autograd.Function):
     def backward(ctx, grad):
         xc, weight = ctx.saved_tensors
         master = ctx.master
-        if ctx.needs_input_grad[0]:
-            grad_x = (grad @ weight).to(ctx.x_dtype)
-        else:
-            grad_x = None
+        grad_x = (grad @ weight).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
         master.grad = accumulate_matmul(master.grad, grad.reshape(-1, grad.size(-1)).t(),
                                         xc.reshape(-1, xc.size(-1)), master.dtype)
         return grad_x, None, None

@@ -34,7 +34,7 @@ def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return logits / temperature if temperature > 0 and temperature != 1 else logits  # x / 1 is x
 
 
-def _stats(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+def logprob_stats(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(n,) log-probs of `targets` and (n,) log-sum-exp, fp32, from (n, vocab) logits."""
     z = _scaled(logits, temperature)
     lse = z.logsumexp(dim=-1)
@@ -71,14 +71,14 @@ class ChunkOps:
     grad: Callable
 
 
-EAGER = ChunkOps(_stats, _grad_eager)
+EAGER = ChunkOps(logprob_stats, _grad_eager)
 
 
 @functools.cache
 def compiled_ops() -> ChunkOps:
     """The chunk functions through torch.compile, made on first use; the chunk's row count is the
     one dynamic size (the last chunk is shorter)."""
-    return ChunkOps(torch.compile(_stats, dynamic=None), torch.compile(_grad, dynamic=None))
+    return ChunkOps(torch.compile(logprob_stats), torch.compile(_grad))
 
 
 def accumulate_matmul(total: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
