@@ -38,6 +38,20 @@ TRACE_CUDA_INIT = os.environ.get("COLO_RL_TRACE_CUDA_INIT") == "1"
 AOT_REBUILD = os.environ.get("COLO_RL_AOT_REBUILD", "1") != "0"
 
 
+def exact_fp32_dots(dtype) -> None:
+    """An fp32 engine multiplies in fp32 inside Triton kernels too.
+
+    Triton's `tl.dot` takes fp32 inputs as TF32 unless told otherwise, and vLLM's Triton attention
+    (the backend it picks for fp32 on CUDA) calls it without a precision: the engine's attention
+    then rounds to a 10-bit mantissa while the trainer's does not, and their log-probs of the same
+    weights drift apart by far more than fp32 rounding. Triton's knob `TRITON_F32_DEFAULT=ieee`
+    makes full fp32 the default. A value the user set is kept (`tf32` trades the exactness for
+    speed); bf16 and fp16 engines are unaffected either way.
+    """
+    if str(dtype) in ("float32", "torch.float32"):
+        os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
+
+
 class Shutdown(BaseException):
     """Raised by the SIGTERM handler so the engine is torn down on the normal path."""
 
@@ -284,6 +298,7 @@ class EngineServer:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+        exact_fp32_dots(engine_kwargs.get("dtype"))
         import_vllm_without_cuda()  # at once when the worker imported it already
         import vllm
         from vllm import LLM

@@ -45,8 +45,9 @@ SMALL = EmbeddedModelConfig(hidden_size=512, intermediate_size=1024, num_hidden_
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [20, 21, 22, 23, 24], [30, 31]]
 GREEDY = SamplingConfig(n=1, temperature=0.0, max_tokens=16)
 SAMPLED = SamplingConfig(n=4, temperature=1.0, max_tokens=32)
-# vLLM's Triton attention multiplies fp32 in TF32, so a greedy pick may differ where the top two
-# logits are closer than this; anywhere else a differing token means different weights.
+# Engine and trainer sum fp32 products in different orders (the worker makes vLLM's Triton attention
+# multiply in full fp32, not TF32: generator.worker.exact_fp32_dots), so a greedy pick may differ
+# where the top two logits are closer than this; anywhere else a differing token means different weights.
 NEAR_TIE = 1e-3
 FP32_LOGPROB_TOL = 1e-2  # max |engine - trainer| with fp32 weights
 BF16_LOGPROB_TOL = 0.05  # mean |engine - trainer| with bf16 weights (different kernels round differently)
