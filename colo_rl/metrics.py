@@ -7,11 +7,16 @@ import json
 import math
 import netrc
 import os
+import time
 from pathlib import Path
 from statistics import mean
 
+import torch
+
 from colo_rl.config import LoggerConfig
 from colo_rl.rundir import drop_records_from
+from colo_rl.timing import host_metrics
+from colo_rl.trainer.flops import peak_tflops, perf_metrics
 
 STEP_KEY = "train/step"
 # Phases of a step in the order they happen; the summary table and dashboards use this order.
@@ -145,6 +150,34 @@ class MetricsLogger:
             self.final_summary = _plain(self.run.summary)
             self.final_config = dict(self.run.config)
             self.run.finish(exit_code=0 if exc_type is None else 1)
+
+
+def step_metrics(rollout, train_metrics: dict[str, float], trainer, switch, peak: float | None,
+                 reward_metrics: dict[str, float]) -> dict[str, float]:
+    """A step's record: the rollout's and the switch's metrics, the phases' seconds, the update's
+    train/*, perf/* (over `peak` TFLOP/s, trainer.peak_tflops), the host's resources, the step's
+    time and the switch's share of it, and its rewards (each function's in `reward_metrics`).
+    `rollout` is the step's StepRollout (colo_rl/rollout.py), `trainer` its GRPOTrainer."""
+    timer = rollout.timer
+    metrics = {**rollout.rollouts.metrics, **timer.metrics, **train_metrics, **switch.offloader.background_stats(),
+               "train/trainable_params": float(trainer.trainable_params)}
+    metrics.update(perf_metrics(trainer.last_step_flops, timer.metrics["timing/train_s"],
+                                peak_tflops(peak, trainer.device)))
+    if torch.cuda.is_available():
+        metrics["memory/trainer_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    metrics.update(host_metrics(switch.engine.pid))
+    step_s = time.perf_counter() - rollout.started
+    switch_s = sum(metrics.get(f"timing/{phase}_s", 0.0) for phase in SWITCH_PHASES)
+    metrics.update({
+        "timing/step_s": step_s,
+        "timing/switch_s": switch_s,
+        "timing/switch_overhead_frac": switch_s / step_s,
+        "reward/mean": mean(rollout.rewards),
+        "reward/max": max(rollout.rewards),
+        "reward/min": min(rollout.rewards),
+        **reward_metrics,
+    })
+    return metrics
 
 
 def _plain(value):

@@ -177,6 +177,7 @@ class Plan:
     # the least margin): the Offloader keeps torch's cache when at least this much is free; 0 with
     # trainer.keep_cache off, where the cache is always emptied
     engine_wake_bytes: float = 0.0
+    reasons: dict[str, str] = field(default_factory=dict)  # why each key the config left to the plan got its value
 
     def table(self) -> str:
         rows = [("component", "GiB", "engine awake", "training")]
@@ -190,12 +191,17 @@ class Plan:
         else:
             head = (f"memory plan: device {self.total_gib:.1f} GiB, {self.free_gib:.1f} GiB free before the "
                     f"engine, margin {self.margin_gib:.1f} GiB")
-        tail = [f"trainer.offload -> {self.offload}",
-                f"generator.gpu_memory_utilization -> {self.gpu_memory_utilization:.3f}",
-                f"trainer.micro_batch_size -> {self.micro_batch_size}",
-                f"trainer.logprob_recompute -> {str(self.logprob_recompute).lower()}"]
+        tail = [f"trainer.offload -> {self.offload}" + self._why("trainer.offload"),
+                f"generator.gpu_memory_utilization -> {self.gpu_memory_utilization:.3f}"
+                + self._why("generator.gpu_memory_utilization"),
+                f"trainer.micro_batch_size -> {self.micro_batch_size}" + self._why("trainer.micro_batch_size"),
+                f"trainer.logprob_recompute -> {str(self.logprob_recompute).lower()}"
+                + self._why("trainer.logprob_recompute")]
         tail += [f"predicted {k}: {v:.2f} GiB" for k, v in self.predicted.items()]
         return "\n".join([head, *lines, *tail, *self.notes])
+
+    def _why(self, key: str) -> str:
+        return f": {self.reasons[key]}" if key in self.reasons else ""
 
     def metrics(self) -> dict[str, float]:
         return {f"memory/{k}_predicted_gib": v for k, v in self.predicted.items()}
@@ -284,8 +290,9 @@ def plan_memory(settings: RunConfig, shape: Shape, seq_len: int,
     """
     t, g = settings.trainer, settings.generator
     cuda = device_memory is not None
-    micro_batch = _micro_batch(settings, shape, seq_len, device_memory, engine_on_device)
-    recompute = _recompute(settings, shape, seq_len, device_memory, engine_on_device, micro_batch)
+    micro_batch, micro_reason = _micro_batch(settings, shape, seq_len, device_memory, engine_on_device)
+    recompute, recompute_reason = _recompute(settings, shape, seq_len, device_memory, engine_on_device, micro_batch)
+    reasons = {"trainer.micro_batch_size": micro_reason, "trainer.logprob_recompute": recompute_reason}
     s = sizes(settings, shape, seq_len, cuda=cuda, micro_batch=micro_batch, recompute=recompute)
     asleep = ENGINE_ASLEEP_GIB * GIB if cuda else 0.0
     components = [
@@ -311,7 +318,13 @@ def plan_memory(settings: RunConfig, shape: Shape, seq_len: int,
         offload = CPU_OFFLOAD if t.offload == "auto" else t.offload
         util = g.gpu_memory_utilization if g.gpu_memory_utilization != "auto" else 0.5
         _place(components, offload)
-        return Plan(offload, float(util), components, micro_batch, recompute,
+        for c in components:  # no GPU: whatever lives anywhere lives in host memory
+            c.awake, c.training = (_on_host(where) for where in (c.awake, c.training))
+        reasons.update({"trainer.offload": "a CPU run: no GPU memory to plan, everything leaves as before auto"
+                        if t.offload == "auto" else "as given",
+                        "generator.gpu_memory_utilization": "a CPU run: the engine's KV cache is "
+                        "generator.cpu_kvcache_gib" if g.gpu_memory_utilization == "auto" else "as given"})
+        return Plan(offload, float(util), components, micro_batch, recompute, reasons=reasons,
                     notes=[f"the engine's KV cache is generator.cpu_kvcache_gib={g.cpu_kvcache_gib} GiB of host memory"])
 
     free, total = device_memory
@@ -322,7 +335,9 @@ def plan_memory(settings: RunConfig, shape: Shape, seq_len: int,
             raise ConfigError(_refusal(settings, shape, seq_len, s, training_room, free, 0, micro_batch))
         return Plan("none" if t.offload == "auto" else t.offload, 0.5 if g.gpu_memory_utilization == "auto"
                     else float(g.gpu_memory_utilization), components, micro_batch, recompute, total_gib=total / GIB,
-                    free_gib=free / GIB,
+                    free_gib=free / GIB, reasons={**reasons, "trainer.offload": "generator.device=cpu: the trainer "
+                                                  "keeps the GPU", "generator.gpu_memory_utilization": "unused: "
+                                                  "generator.device=cpu"},
                     notes=["generator.device=cpu: the engine takes none of the GPU, the trainer stays on it"])
     margin = max(MARGIN_FRACTION * free, MARGIN_MIN_GIB * GIB)
     room = free - margin - TRAINER_CONTEXT_GIB * GIB  # what the trainer's tensors and the engine share
@@ -412,11 +427,19 @@ def plan_memory(settings: RunConfig, shape: Shape, seq_len: int,
         # free device memory with the engine awake (memory/free_after_wake_kv_gib)
         "free_after_wake_kv": free_awake(free, total, resident, util) / GIB,
     }
+    reasons["trainer.offload"] = (f"the least offload with the awake engine's {util * total / GIB:.1f} GiB, the "
+                                  f"trainer's {resident / GIB:.1f} GiB and the margin on the device"
+                                  if t.offload == "auto" else "as given")
+    reasons["generator.gpu_memory_utilization"] = (
+        ("every sequence's KV cache beside the trainer" if budget == engine_want else
+         "what is left beside the trainer (vLLM queues the sequences that do not fit)")
+        if g.gpu_memory_utilization == "auto" else "as given")
     notes = []
     if t.offload == "auto":
         notes.append(f"offload=auto: {chosen} is the least offload with the awake engine's "
                      f"{util * total / GIB:.1f} GiB, the trainer's {resident / GIB:.1f} GiB and the margin on the device")
-    return Plan(chosen, util, components, micro_batch, recompute, total_gib=total / GIB, free_gib=free / GIB,
+    return Plan(chosen, util, components, micro_batch, recompute, reasons=reasons, total_gib=total / GIB,
+                free_gib=free / GIB,
                 margin_gib=margin / GIB,
                 predicted=predicted, notes=notes,
                 engine_wake_bytes=wake if t.keep_cache else 0.0)
@@ -430,24 +453,27 @@ def _training_room(free: float, engine_on_device: bool) -> float:
 
 
 def _micro_batch(settings: RunConfig, shape: Shape, seq_len: int, device_memory: tuple[int, int] | None,
-                 engine_on_device: bool) -> int:
-    """trainer.micro_batch_size with auto resolved: on a GPU, the largest of AUTO_MICRO_BATCHES (at
+                 engine_on_device: bool) -> tuple[int, str]:
+    """trainer.micro_batch_size with auto resolved, and why: on a GPU, the largest of AUTO_MICRO_BATCHES (at
     most the step's sequences) whose trainer peak, with AUTO_ACTIVATION_HEADROOM of its activations
     on top, fits beside the sleeping engine, or 1 where none does (the refusal then says what
     would); DEFAULT_MICRO_BATCH on the CPU and under trainer.parallel (each rank plans on its own
     device, and the ranks must agree)."""
     t = settings.trainer
     if t.micro_batch_size != "auto":
-        return t.micro_batch_size
-    if device_memory is None or t.parallel != "none":
-        return DEFAULT_MICRO_BATCH
+        return t.micro_batch_size, "as given"
+    if device_memory is None:
+        return DEFAULT_MICRO_BATCH, "no GPU memory to plan: the default"
+    if t.parallel != "none":
+        return DEFAULT_MICRO_BATCH, f"trainer.parallel={t.parallel}: the ranks must agree, the default"
     room = _training_room(device_memory[0], engine_on_device)
     sequences = t.prompts_per_step * settings.sampling.n
     for b in AUTO_MICRO_BATCHES:
         b = min(b, sequences)
         if _fits_with_headroom(sizes(settings, shape, seq_len, cuda=True, micro_batch=b), room):
-            return b
-    return 1
+            return b, (f"the largest whose trainer peak (with {AUTO_ACTIVATION_HEADROOM:.0%} of its activations "
+                       f"to spare) fits beside the sleeping engine" if b < sequences else "the whole step at once")
+    return 1, "none fits: the least"
 
 
 def _fits_with_headroom(s: _Sizes, room: float) -> bool:
@@ -457,18 +483,21 @@ def _fits_with_headroom(s: _Sizes, room: float) -> bool:
 
 
 def _recompute(settings: RunConfig, shape: Shape, seq_len: int, device_memory: tuple[int, int] | None,
-               engine_on_device: bool, micro_batch: int) -> bool:
-    """trainer.logprob_recompute with auto resolved: on a GPU, with the fused chunked head and no
+               engine_on_device: bool, micro_batch: int) -> tuple[bool, str]:
+    """trainer.logprob_recompute with auto resolved, and why: on a GPU, with the fused chunked head and no
     trainer.parallel, keep the head's logits (false) where the trainer's peak with them, and
     AUTO_ACTIVATION_HEADROOM of its activations on top, still fits beside the sleeping engine at
     the micro-batch already chosen; else recompute (true)."""
     t = settings.trainer
     if t.logprob_recompute != "auto":
-        return bool(t.logprob_recompute)
+        return bool(t.logprob_recompute), "as given"
     if device_memory is None or t.parallel != "none" or not t.fused_head or not t.logprob_chunk:
-        return True
+        return True, ("nothing planned (no GPU, or trainer.parallel)" if device_memory is None or t.parallel != "none"
+                      else "needs trainer.fused_head and trainer.logprob_chunk")
     kept = sizes(settings, shape, seq_len, cuda=True, micro_batch=micro_batch, recompute=False)
-    return not _fits_with_headroom(kept, _training_room(device_memory[0], engine_on_device))
+    if _fits_with_headroom(kept, _training_room(device_memory[0], engine_on_device)):
+        return False, f"the head's logits fit beside micro-batch {micro_batch}: kept for backward"
+    return True, f"the head's logits do not fit beside micro-batch {micro_batch}: recomputed"
 
 
 def free_awake(free: float, total: float, resident: float, util: float) -> float:
@@ -476,6 +505,10 @@ def free_awake(free: float, total: float, resident: float, util: float) -> float
     free before the engine, less the trainer's context and resident state, the engine's budget and
     what it holds beyond it."""
     return free - TRAINER_CONTEXT_GIB * GIB - resident - util * total - ENGINE_BEYOND_BUDGET_GIB * GIB
+
+
+def _on_host(where: str) -> str:
+    return where.replace("GPU", "host")
 
 
 def _place(components: list[Component], offload: str) -> None:
@@ -564,7 +597,10 @@ def plan_run(settings: RunConfig, model_dir: Path, device: str, task=None,
         log.warning("no memory plan for %s (%s): trainer.offload=%s, generator.gpu_memory_utilization=%s, "
                     "trainer.micro_batch_size=%s", model_dir, exc, t.offload, g.gpu_memory_utilization,
                     t.micro_batch_size)
-        return Plan(t.offload, float(g.gpu_memory_utilization), [], t.micro_batch_size, t.logprob_recompute)
+        return Plan(t.offload, float(g.gpu_memory_utilization), [], t.micro_batch_size, t.logprob_recompute,
+                    reasons={key: f"no memory plan for this model ({exc}): the default" for key in (
+                        "trainer.offload", "generator.gpu_memory_utilization", "trainer.micro_batch_size",
+                        "trainer.logprob_recompute")})
     plan = plan_memory(settings, shape, sequence_length(settings, task),
                        memory if memory is not None else device_memory(device),
                        engine_on_device=resolve_device(settings.generator.device) != "cpu")
