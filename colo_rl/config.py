@@ -46,6 +46,11 @@ class ConfigError(ValueError):
     """A config value is wrong; the message names the key and what to do."""
 
 
+class CheckpointError(ConfigError):
+    """A checkpoint cannot be written or read, or does not fit this run; the message names the
+    file or the keys and what to do."""
+
+
 def _check(ok: bool, key: str, value: Any, rule: str) -> None:
     if not ok:
         raise ConfigError(f"{key}={value!r} {rule}")
