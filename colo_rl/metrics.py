@@ -7,6 +7,7 @@ import json
 import math
 import netrc
 import os
+import sys
 import time
 from pathlib import Path
 from statistics import mean
@@ -76,7 +77,9 @@ class MetricsLogger:
         self._samples = open(self.samples_path, "a")
         if self.cfg.backend == "wandb":
             self._start_wandb()
-        if self.cfg.progress:
+        # the bar redraws itself with carriage returns: only where its stream is a terminal; a log
+        # file gets one plain line per step instead (_plain_line)
+        if self.cfg.progress and sys.stderr.isatty():
             from tqdm.auto import tqdm
 
             self._bar = tqdm(total=self.total_steps, initial=self.initial_step, desc="colo_rl",
@@ -121,6 +124,14 @@ class MetricsLogger:
         if self._bar is not None and count_step:
             self._bar.update(1)
             self._bar.set_postfix_str(self._postfix("done"), refresh=True)
+        elif self.cfg.progress and count_step:
+            print(self._plain_line(step, record), file=sys.stderr, flush=True)
+
+    def _plain_line(self, step: int, record: dict) -> str:
+        """A step's line where no bar is drawn: its number, reward and seconds."""
+        reward = record.get("reward/mean")
+        return (f"colo_rl: step {step + 1}/{self.total_steps}" + (f" reward={reward:.3f}" if reward is not None else "")
+                + (f" {record['timing/step_s']:.2f} s" if "timing/step_s" in record else ""))
 
     def log_samples(self, rows: list[dict]) -> None:
         """Completions to read: appended to samples.jsonl, and a W&B table of the step's."""
@@ -225,7 +236,8 @@ def print_summary(records: list[dict], output_dir: Path) -> None:
     for phase, seconds, share in summary_rows(records):
         table.add_row(phase, f"{seconds:.3f}", f"{share:.1%}")
     table.add_row("step", f"{mean(r['timing/step_s'] for r in records):.3f}", "100%")
-    console = Console()
+    # a terminal's own width; 100 columns in a log file (rich would guess 80, or COLUMNS)
+    console = Console(width=None if sys.stdout.isatty() else 100)
     console.print(table)
     setup = [r for r in records if "setup/total_s" in r]
     if setup:

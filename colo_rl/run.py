@@ -112,7 +112,7 @@ class Run:
     def __init__(self, cfg: DictConfig, generator: VLLMGenerator | None = None):
         self.cfg = cfg
         self.stages = SetupStages()
-        self.settings = settings = validate(cfg)
+        self.validated = self.settings = settings = validate(cfg)
         self.stages.mark("config", "config checked")
         if settings.model.source != cfg.model.source:
             log.warning("model.path=%s is set, so model.source=hf: training that model, not the "
