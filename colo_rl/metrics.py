@@ -229,7 +229,8 @@ def print_summary(records: list[dict], output_dir: Path) -> None:
     records = [r for r in records if "reward/mean" in r]  # training steps, not the final evaluation
     if not records:
         return
-    table = Table(title=f"colo_rl: {len(records)} steps ({output_dir})")
+    title = f"colo_rl: {len(records)} steps ({output_dir})"  # above the table, not wrapped to its width
+    table = Table()
     table.add_column("phase")
     table.add_column("mean s", justify="right")
     table.add_column("share of step", justify="right")
@@ -238,6 +239,7 @@ def print_summary(records: list[dict], output_dir: Path) -> None:
     table.add_row("step", f"{mean(r['timing/step_s'] for r in records):.3f}", "100%")
     # a terminal's own width; 100 columns in a log file (rich would guess 80, or COLUMNS)
     console = Console(width=None if sys.stdout.isatty() else 100)
+    console.print(title, highlight=False, soft_wrap=True)
     console.print(table)
     setup = [r for r in records if "setup/total_s" in r]
     if setup:
