@@ -619,16 +619,6 @@ def trainer_precision(settings: RunConfig) -> str:
     return "mixed" if settings.model.dtype in ("bfloat16", "float16") else "pure"
 
 
-def weight_copies(autocast: bool, parallel: bool, compile: bool, lora: bool, fp32_activations: bool) -> Optional[str]:
-    """What the trainer's compute_copies (colo_rl/trainer/grpo.py) copies once per update, for the
-    trainer and the memory plan alike: None (autocast casts in every forward) without autocast, and
-    where other code holds the parameters (DDP/FSDP hooks, compiled graphs, peft's adapters); else
-    "matmul", or "all" under trainer.fp32_activations=false."""
-    if not autocast or parallel or compile or lora:
-        return None
-    return "matmul" if fp32_activations else "all"
-
-
 # trainer.micro_batch_size=auto: the memory plan takes the largest of these whose activations fit
 # beside the sleeping engine (32 was the fastest measured on the 1B peer workload, H100:
 # benchmarks/RESULTS.md 2026-12-06e/f); DEFAULT_MICRO_BATCH where nothing is planned (a CPU run,

@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from colo_rl.config import (AUTO_MICRO_BATCHES, DEFAULT_MICRO_BATCH, ConfigError, RunConfig, logprob_recompute,
-                            micro_batch_size, trainer_precision, weight_copies)
+                            micro_batch_size, trainer_precision)
+from colo_rl.trainer.precision import weight_copies
 
 log = logging.getLogger("colo_rl")
 

@@ -19,7 +19,7 @@ from colo_rl.parallel import Parallel
 from colo_rl.switch import Switch
 from colo_rl.tasks import Batch, Task
 from colo_rl.timing import StepTimer
-from colo_rl.trainer.grpo import group_advantages
+from colo_rl.trainer.loss import group_advantages
 
 
 @dataclass

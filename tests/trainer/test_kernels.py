@@ -10,7 +10,7 @@ import torch
 from colo_rl.config import ConfigError, ModelConfig, TrainerConfig
 from colo_rl.models import load_policy, write_embedded_model
 from colo_rl.trainer import GRPOTrainer
-from colo_rl.trainer.grpo import grpo_loss
+from colo_rl.trainer.loss import grpo_loss
 from colo_rl.trainer.kernels import apply_liger, check_kernels, decoder_layers, resolve_kernels
 
 from ..conftest import update_recording_grads
