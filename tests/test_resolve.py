@@ -98,3 +98,29 @@ def test_offload_and_engine_budget_decisions_print_with_their_reasons():
     cpu = plan_memory(settings, shape, 384, None)
     assert cpu.reasons["trainer.offload"].startswith("a CPU run")
     assert "GPU" not in cpu.table().split("trainer.offload")[0].split("\n", 1)[1]  # the CPU plan says host
+
+
+def test_offload_and_budget_decision_picks_the_least_offload_that_fits():
+    from colo_rl.planner import ENGINE_ASLEEP_GIB, _offload_and_budget, sizes
+
+    settings, shape = one_b("generator.gpu_memory_utilization=auto", "trainer.micro_batch_size=16")
+    s = sizes(settings, shape, 384, cuda=True, micro_batch=16)
+    (roomy, _), (budget, why) = _offload_and_budget(settings, s, 78 * GIB, H100, 74 * GIB, 4 * GIB,
+                                                    ENGINE_ASLEEP_GIB * GIB)
+    (tight, reason), _ = _offload_and_budget(settings, s, 30 * GIB, H100, 28 * GIB, 1 * GIB, ENGINE_ASLEEP_GIB * GIB)
+    order = ("none", "optimizer", "all")
+    assert order.index(roomy) < order.index(tight) and reason.startswith("the least offload")
+    assert budget > 0 and why == "every sequence's KV cache beside the trainer"
+    given = one_b("trainer.offload=optimizer", "generator.gpu_memory_utilization=0.3")[0]
+    (offload, reason), (budget, why) = _offload_and_budget(given, s, 78 * GIB, H100, 74 * GIB, 4 * GIB,
+                                                           ENGINE_ASLEEP_GIB * GIB)
+    assert (offload, reason, why) == ("optimizer", "as given", "as given") and budget == 0.3 * H100
+
+
+def test_the_calibration_is_data_with_provenance():
+    from colo_rl import planner
+
+    assert len(planner.CALIBRATION) >= 12
+    for name, fitted in planner.CALIBRATION.items():
+        assert fitted.counts and fitted.vllm and fitted.device and fitted.run, name
+        assert getattr(planner, name) == fitted.value, name  # the module's constants are the table's
