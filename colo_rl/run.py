@@ -139,9 +139,7 @@ class Run:
                     parts = self.setup()
                     self.train(parts)
                 if t.export_final and par.is_main:
-                    export_checkpoint(self.output_dir / "checkpoint",
-                                      Path(t.export_dir) if t.export_dir else self.output_dir / "export",
-                                      overwrite=True)
+                    self.export()
                 return self.report(parts)
         finally:
             par.close()
@@ -357,6 +355,12 @@ class Run:
         _check_finite(p.trainer, step, settings.trainer.max_nonfinite_steps)
 
     # -- the end ----------------------------------------------------------------------------
+    def export(self) -> None:
+        """trainer.export_final: the final checkpoint as a Hugging Face model directory."""
+        t = self.settings.trainer
+        export_checkpoint(self.output_dir / "checkpoint", Path(t.export_dir) if t.export_dir else self.output_dir / "export",
+                          overwrite=True)
+
     def report(self, p: Components) -> RunResult:
         """The summary table, and what the run returns."""
         logger = p.logger
