@@ -97,7 +97,7 @@ def main(argv=None) -> int:
     from colo_rl.models import DTYPES, prepare_model_dir
     from colo_rl.trainer import GRPOTrainer
     from colo_rl.trainer.flops import peak_tflops, perf_metrics
-    from colo_rl.trainer.grpo import _target_logprobs_eager
+    from colo_rl.trainer.logprobs import _target_logprobs_eager
 
     prompts, n, prompt_len, completion_len = (4, 2, 8, 16) if args.smoke else (32, 8, 128, 256)
     model = "tiny" if args.smoke else args.model

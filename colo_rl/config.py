@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import FrozenInstanceError, dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -19,8 +19,36 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, MissingMandatoryValue, OmegaConf
 
 
+class Freezable:
+    """A config group that can be frozen once its `auto`s are resolved (colo_rl/resolve.py):
+    assigning to a frozen one raises. dataclasses.replace gives a new, unfrozen one."""
+
+    _frozen = False
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self._frozen:
+            raise FrozenInstanceError(f"cannot assign to {type(self).__name__}.{name}: the resolved "
+                                      "settings are frozen (colo_rl/resolve.py decides every auto)")
+        super().__setattr__(name, value)
+
+
+def freeze(settings):
+    """`settings` and every config group inside it, frozen in place; returns it."""
+    for f in fields(settings):
+        value = getattr(settings, f.name)
+        if is_dataclass(value):
+            freeze(value)
+    object.__setattr__(settings, "_frozen", True)
+    return settings
+
+
 class ConfigError(ValueError):
     """A config value is wrong; the message names the key and what to do."""
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint cannot be written or read, or does not fit this run; the message names the
+    file or the keys and what to do."""
 
 
 def _check(ok: bool, key: str, value: Any, rule: str) -> None:
@@ -33,7 +61,7 @@ def _one_of(key: str, value: Any, choices: tuple) -> None:
 
 
 @dataclass
-class EmbeddedModelConfig:
+class EmbeddedModelConfig(Freezable):
     """Shape of a randomly initialised OLMo-2 policy built locally (no hub needed)."""
 
     hidden_size: int = 128
@@ -57,7 +85,7 @@ class EmbeddedModelConfig:
 
 
 @dataclass
-class ModelConfig:
+class ModelConfig(Freezable):
     """The policy: where its weights and tokenizer come from, and how prompts are wrapped."""
 
     name: str = "tiny"
@@ -89,7 +117,7 @@ class ModelConfig:
 
 
 @dataclass
-class SamplingConfig:
+class SamplingConfig(Freezable):
     """How the engine samples rollouts. `n` is the GRPO group size (completions per prompt)."""
 
     name: str = "default"
@@ -125,7 +153,7 @@ class SamplingConfig:
 
 
 @dataclass
-class GeneratorConfig:
+class GeneratorConfig(Freezable):
     """The sleeping vLLM engine that runs in its own subprocess."""
 
     python: str = ""  # interpreter of the engine's environment; "" means this one
@@ -179,7 +207,7 @@ OPTIMIZERS = tuple(OPTIMIZER_PACKAGES)
 
 
 @dataclass
-class LoraConfig:
+class LoraConfig(Freezable):
     """LoRA adapters (peft) on the policy's linear layers; rank 0 trains every weight instead."""
 
     rank: int = 0  # 0: full fine-tuning
@@ -198,7 +226,7 @@ class LoraConfig:
 
 
 @dataclass
-class TrainerConfig:
+class TrainerConfig(Freezable):
     """GRPO: algorithm, optimisation and where the trainer state lives between phases."""
 
     algorithm: str = "grpo"
@@ -388,7 +416,7 @@ class TrainerConfig:
 
 
 @dataclass
-class ToyConfig:
+class ToyConfig(Freezable):
     """The built-in toy tasks' prompts: random strings over `alphabet`, generated from task.seed."""
 
     target: str = "a"  # target_char: the character to emit
@@ -403,7 +431,7 @@ class ToyConfig:
 
 
 @dataclass
-class DatasetConfig:
+class DatasetConfig(Freezable):
     """A Hugging Face dataset read offline: a local JSON/JSONL/CSV/Parquet file, a save_to_disk
     directory, or a hub dataset id already in the local cache."""
 
@@ -420,7 +448,7 @@ class DatasetConfig:
 
 
 @dataclass
-class TaskConfig:
+class TaskConfig(Freezable):
     """Where prompts come from and how completions are scored."""
 
     name: str = "target_char"
@@ -452,7 +480,7 @@ class TaskConfig:
 
 
 @dataclass
-class EvalConfig:
+class EvalConfig(Freezable):
     """Held-out evaluation through the same engine: before the first step, every `every` steps
     (in the same wake as that step's rollouts) and after the last."""
 
@@ -473,7 +501,7 @@ class EvalConfig:
 
 
 @dataclass
-class LoggerConfig:
+class LoggerConfig(Freezable):
     """Where metrics go besides metrics.jsonl (always written)."""
 
     backend: str = "wandb"  # wandb | none
@@ -493,7 +521,7 @@ class LoggerConfig:
 
 
 @dataclass
-class RunConfig:
+class RunConfig(Freezable):
     """The root config: one of each group plus run-wide settings."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -589,16 +617,6 @@ def trainer_precision(settings: RunConfig) -> str:
     if settings.trainer.precision != "auto":
         return settings.trainer.precision
     return "mixed" if settings.model.dtype in ("bfloat16", "float16") else "pure"
-
-
-def weight_copies(autocast: bool, parallel: bool, compile: bool, lora: bool, fp32_activations: bool) -> Optional[str]:
-    """What the trainer's compute_copies (colo_rl/trainer/grpo.py) copies once per update, for the
-    trainer and the memory plan alike: None (autocast casts in every forward) without autocast, and
-    where other code holds the parameters (DDP/FSDP hooks, compiled graphs, peft's adapters); else
-    "matmul", or "all" under trainer.fp32_activations=false."""
-    if not autocast or parallel or compile or lora:
-        return None
-    return "matmul" if fp32_activations else "all"
 
 
 # trainer.micro_batch_size=auto: the memory plan takes the largest of these whose activations fit

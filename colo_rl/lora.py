@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from colo_rl.config import ConfigError, LoraConfig, RunConfig, trainer_dtype
+from colo_rl.config import CheckpointError, ConfigError, LoraConfig, RunConfig, trainer_dtype
 
 
 def is_lora(model: torch.nn.Module) -> bool:
@@ -139,8 +139,6 @@ def checkpoint_policy(checkpoint_dir: Path, config: dict, adapters: dict[str, to
     policy = apply_lora(load_policy(model_cfg, base_dir, "cpu"), lora_cfg, adapter_dtype=dtype)
     expected = {name for name, _ in trainable_parameters(policy)}
     if set(adapters) != expected:
-        from colo_rl.trainer.checkpoint import CheckpointError
-
         raise CheckpointError(f"{checkpoint_dir / 'model.safetensors'}: its {len(adapters)} tensors are not the "
                           f"{len(expected)} adapters that trainer.lora={dict(config['trainer']['lora'])} puts on "
                           "this model. Export a checkpoint written by a LoRA run")

@@ -7,11 +7,17 @@ import json
 import math
 import netrc
 import os
+import sys
+import time
 from pathlib import Path
 from statistics import mean
 
+import torch
+
 from colo_rl.config import LoggerConfig
 from colo_rl.rundir import drop_records_from
+from colo_rl.timing import host_metrics
+from colo_rl.trainer.flops import peak_tflops, perf_metrics
 
 STEP_KEY = "train/step"
 # Phases of a step in the order they happen; the summary table and dashboards use this order.
@@ -71,7 +77,9 @@ class MetricsLogger:
         self._samples = open(self.samples_path, "a")
         if self.cfg.backend == "wandb":
             self._start_wandb()
-        if self.cfg.progress:
+        # the bar redraws itself with carriage returns: only where its stream is a terminal; a log
+        # file gets one plain line per step instead (_plain_line)
+        if self.cfg.progress and sys.stderr.isatty():
             from tqdm.auto import tqdm
 
             self._bar = tqdm(total=self.total_steps, initial=self.initial_step, desc="colo_rl",
@@ -116,6 +124,14 @@ class MetricsLogger:
         if self._bar is not None and count_step:
             self._bar.update(1)
             self._bar.set_postfix_str(self._postfix("done"), refresh=True)
+        elif self.cfg.progress and count_step:
+            print(self._plain_line(step, record), file=sys.stderr, flush=True)
+
+    def _plain_line(self, step: int, record: dict) -> str:
+        """A step's line where no bar is drawn: its number, reward and seconds."""
+        reward = record.get("reward/mean")
+        return (f"colo_rl: step {step + 1}/{self.total_steps}" + (f" reward={reward:.3f}" if reward is not None else "")
+                + (f" {record['timing/step_s']:.2f} s" if "timing/step_s" in record else ""))
 
     def log_samples(self, rows: list[dict]) -> None:
         """Completions to read: appended to samples.jsonl, and a W&B table of the step's."""
@@ -145,6 +161,34 @@ class MetricsLogger:
             self.final_summary = _plain(self.run.summary)
             self.final_config = dict(self.run.config)
             self.run.finish(exit_code=0 if exc_type is None else 1)
+
+
+def step_metrics(rollout, train_metrics: dict[str, float], trainer, switch, peak: float | None,
+                 reward_metrics: dict[str, float]) -> dict[str, float]:
+    """A step's record: the rollout's and the switch's metrics, the phases' seconds, the update's
+    train/*, perf/* (over `peak` TFLOP/s, trainer.peak_tflops), the host's resources, the step's
+    time and the switch's share of it, and its rewards (each function's in `reward_metrics`).
+    `rollout` is the step's StepRollout (colo_rl/rollout.py), `trainer` its GRPOTrainer."""
+    timer = rollout.timer
+    metrics = {**rollout.rollouts.metrics, **timer.metrics, **train_metrics, **switch.offloader.background_stats(),
+               "train/trainable_params": float(trainer.trainable_params)}
+    metrics.update(perf_metrics(trainer.last_step_flops, timer.metrics["timing/train_s"],
+                                peak_tflops(peak, trainer.device)))
+    if torch.cuda.is_available():
+        metrics["memory/trainer_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    metrics.update(host_metrics(switch.engine.pid))
+    step_s = time.perf_counter() - rollout.started
+    switch_s = sum(metrics.get(f"timing/{phase}_s", 0.0) for phase in SWITCH_PHASES)
+    metrics.update({
+        "timing/step_s": step_s,
+        "timing/switch_s": switch_s,
+        "timing/switch_overhead_frac": switch_s / step_s,
+        "reward/mean": mean(rollout.rewards),
+        "reward/max": max(rollout.rewards),
+        "reward/min": min(rollout.rewards),
+        **reward_metrics,
+    })
+    return metrics
 
 
 def _plain(value):
@@ -185,14 +229,17 @@ def print_summary(records: list[dict], output_dir: Path) -> None:
     records = [r for r in records if "reward/mean" in r]  # training steps, not the final evaluation
     if not records:
         return
-    table = Table(title=f"colo_rl: {len(records)} steps ({output_dir})")
+    title = f"colo_rl: {len(records)} steps ({output_dir})"  # above the table, not wrapped to its width
+    table = Table()
     table.add_column("phase")
     table.add_column("mean s", justify="right")
     table.add_column("share of step", justify="right")
     for phase, seconds, share in summary_rows(records):
         table.add_row(phase, f"{seconds:.3f}", f"{share:.1%}")
     table.add_row("step", f"{mean(r['timing/step_s'] for r in records):.3f}", "100%")
-    console = Console()
+    # a terminal's own width; 100 columns in a log file (rich would guess 80, or COLUMNS)
+    console = Console(width=None if sys.stdout.isatty() else 100)
+    console.print(title, highlight=False, soft_wrap=True)
     console.print(table)
     setup = [r for r in records if "setup/total_s" in r]
     if setup:

@@ -7,22 +7,12 @@ optimizer, LoRA, the micro-batch and sequence length, and the device's free and 
 (injectable, so tests plan for any card). A config that cannot fit is refused with one ConfigError
 naming the key to change and the value that would fit.
 
-Calibration (benchmarks/RESULTS.md, H200, OLMo-2-1B shape, fp32 masters + AdamW, micro-batch 16 x
-384 tokens): the activation coefficients below are fitted to the two measured trainer peaks
-(45.8 GiB without gradient checkpointing, 29.2 GiB with), so on that shape they reproduce them; the
-engine's asleep residue is the measured 1.19 GiB. Those runs held the whole b x T x vocab logits
-(trainer.logprob_chunk=0 today); with the default chunked head the logits term is one chunk's
-(CHUNK_LOGITS_COPIES, not yet measured on a GPU). Other shapes, sequence lengths and optimizers are
-extrapolated from these two points: expect the trainer's peak within about 15 %.
-
-The awake phase is calibrated on the H100 runs of 2026-12-05 (RESULTS.md, runs U and W: the 1B
-shape with everything resident, and LoRA on an emulated 24 GiB card with everything offloaded).
-Three things the first plan did not count made it predict 4.7 and 2.9 GiB more free memory than
-there was: the trainer process's CUDA context is nearer 1 GiB than 0.5; its allocator holds ~8 %
-more than the resident tensors between steps; and the awake engine holds 2.4-2.8 GiB more than
-gpu_memory_utilization x total (1.66 GiB of it appears as its weights wake and load). Both runs have
-the 1B shape, so the constants are fitted, not yet validated on another shape: a plan for a 7B
-shape may be off by more than these. The margin covers the rest.
+The fitted constants are data: `CALIBRATION` below, each with what it counts and where it was
+measured (vLLM version, device, run in benchmarks/RESULTS.md). They are fitted on one shape (OLMo-2
+1B), so other shapes, lengths and optimizers are extrapolations; the margin and the auto choices'
+headroom cover the rest. `plan_memory` reads as its decisions, one small function each, every one
+returning its value and the reason printed beside it: the micro-batch (`_micro_batch`), the kept
+logits (`_recompute`), the offload with the engine's budget (`_offload_and_budget`).
 """
 
 from __future__ import annotations
@@ -32,48 +22,78 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from colo_rl.config import (AUTO_MICRO_BATCHES, DEFAULT_MICRO_BATCH, ConfigError, RunConfig, logprob_recompute,
-                            micro_batch_size, trainer_precision, weight_copies)
+                            micro_batch_size, trainer_precision)
+from colo_rl.trainer.precision import weight_copies
 
 log = logging.getLogger("colo_rl")
 
 GIB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-ENGINE_ASLEEP_GIB = 1.19  # a sleeping vLLM 0.26 engine with CUDA graphs (H200, RESULTS.md)
-# vLLM's own activations and sampler buffers inside its budget (its profiling run): not measured
-# here; 1 GiB is a reserve for the 1B-7B shapes at the default max_num_seqs
-ENGINE_ACTIVATION_GIB = 1.0
-# The trainer process's CUDA context, kernels and workspaces: outside torch's counters. H100 run W
-# (nothing of the trainer resident): 2.12 GiB in use with the engine asleep, 0.93 beyond its 1.19.
-TRAINER_CONTEXT_GIB = 1.0
-# Between steps the trainer's allocator keeps this fraction more than its resident tensors after
-# empty_cache (segments a live tensor pins). H100 run U: 1.39 GiB beside 16.6 GiB of masters + AdamW.
-RESIDENT_SLACK_FRACTION = 0.09
-# Awake, vLLM 0.26 holds this much beyond gpu_memory_utilization x total: H100 runs U and W measured
-# 2.84 and 2.42 GiB (1B shape); not counted by its budget, so not by the KV cache either.
-ENGINE_BEYOND_BUDGET_GIB = 2.9
-# Activations per token per decoder layer, in elements of the compute dtype: 32 x hidden + 4 x
-# intermediate (fitted: 48 x hidden on the 1B shape, whose intermediate is 4 x hidden).
-ACT_HIDDEN, ACT_INTERMEDIATE = 32, 4
-# trainer.kernels=liger: Liger's RMSNorm, SwiGLU and RoPE keep fewer and smaller intermediates (the
-# eager ones save fp32 copies for backward). Fitted on the H100, 1B shape (RESULTS.md, 2026-12-06c):
-# decoder activations 0.57x (micro-batch 16) and 0.55x (32) of the eager model's.
-LIGER_ACTIVATION_FACTOR = 0.58
-# trainer.fp32_activations=false (compute copies of every weight but the head: the activations
-# between the matmuls in bf16, not fp32): decoder activations of the Liger model, fitted on the H100,
-# 1B shape (RESULTS.md, 2026-12-06e): 0.92x (micro-batch 16) and 0.90x (32) of autocast's.
-BF16_ACTIVATION_FACTOR = 0.91
-# The loss's fp32 logits and what is computed from them (log-softmax, their gradient) peak at this
-# many b x T x vocab fp32 tensors at once (fitted on the same two runs).
-LOGITS_COPIES = 1.25
-# trainer.logprob_chunk > 0: the head runs on `chunk` response positions at a time, recomputed in
-# backward: one chunk's logits and their gradient in fp32 at once (not measured on a GPU yet)
-CHUNK_LOGITS_COPIES = 2.0
-MARGIN_FRACTION, MARGIN_MIN_GIB = 0.05, 1.0  # kept free: 5 % of the free memory, at least 1 GiB
-# trainer.micro_batch_size=auto leaves this share of its choice's activations free on top: the
-# activation terms are fitted on the 1B shape (within 4 %) and extrapolated to other shapes and
-# lengths (about 15 %), and a choice at the edge of an estimate would fail as an OOM mid-run; a
-# size given by hand is planned as it is
-AUTO_ACTIVATION_HEADROOM = 0.15
+
+@dataclass(frozen=True)
+class Fitted:
+    """One calibrated constant of the plan: its value, what it counts, and where it comes from."""
+
+    value: float
+    counts: str
+    vllm: str  # the vLLM version it was measured with; "-" where no engine is involved
+    device: str  # the card it was measured on; "-" for a reserve or a choice
+    run: str  # the runs in benchmarks/RESULTS.md it is fitted to, or why it is a reserve or a choice
+
+
+CALIBRATION: dict[str, Fitted] = {
+    "ENGINE_ASLEEP_GIB": Fitted(
+        1.19, "GiB a sleeping engine keeps on the device (CUDA graphs, context)", "0.26", "H200",
+        "the OLMo-2-1B shape runs, fp32 masters + AdamW, micro-batch 16 x 384"),
+    "ENGINE_ACTIVATION_GIB": Fitted(
+        1.0, "GiB of vLLM's own activations and sampler buffers inside its budget (its profiling run)", "-",
+        "-", "a reserve for the 1B-7B shapes at the default max_num_seqs, not measured"),
+    "TRAINER_CONTEXT_GIB": Fitted(
+        1.0, "GiB of the trainer process's CUDA context, kernels and workspaces, outside torch's counters",
+        "0.26", "H100", "run W (nothing of the trainer resident): 0.93 beyond the sleeping engine"),
+    "RESIDENT_SLACK_FRACTION": Fitted(
+        0.09, "what the trainer's allocator keeps between steps beyond its resident tensors (segments a "
+        "live tensor pins)", "0.26", "H100", "run U: 1.39 GiB beside 16.6 GiB of masters + AdamW"),
+    "ENGINE_BEYOND_BUDGET_GIB": Fitted(
+        2.9, "GiB an awake engine holds beyond gpu_memory_utilization x total (not in its budget, so "
+        "not in its KV cache)", "0.26", "H100", "runs U and W: 2.84 and 2.42"),
+    "ACT_HIDDEN": Fitted(
+        32, "activation elements per token per decoder layer, per unit of hidden (the compute dtype)",
+        "-", "H200", "the two trainer peaks of the 1B shape, with and without gradient checkpointing"),
+    "ACT_INTERMEDIATE": Fitted(
+        4, "activation elements per token per decoder layer, per unit of intermediate", "-", "H200",
+        "as ACT_HIDDEN (48 x hidden in all on the 1B shape, whose intermediate is 4 x hidden)"),
+    "LIGER_ACTIVATION_FACTOR": Fitted(
+        0.58, "decoder activations under trainer.kernels=liger over the eager model's (fewer, smaller "
+        "intermediates)", "-", "H100", "2026-12-06c: 0.57 at micro-batch 16, 0.55 at 32"),
+    "BF16_ACTIVATION_FACTOR": Fitted(
+        0.91, "decoder activations under trainer.fp32_activations=false over autocast's (bf16 between "
+        "the matmuls)", "-", "H100", "2026-12-06e: 0.92 at micro-batch 16, 0.90 at 32"),
+    "LOGITS_COPIES": Fitted(
+        1.25, "b x T x vocab fp32 tensors the unchunked loss holds at once (logits, log-softmax, their "
+        "gradient)", "-", "H200", "the two trainer peaks of the 1B shape"),
+    "CHUNK_LOGITS_COPIES": Fitted(
+        2.0, "one chunk's fp32 logits and their gradient at once (trainer.logprob_chunk > 0)", "-", "-",
+        "a reserve: the chunk's logits and gradient, not fitted"),
+    "MARGIN_FRACTION": Fitted(0.05, "share of the free memory the plan keeps free", "-", "-", "a choice"),
+    "MARGIN_MIN_GIB": Fitted(1.0, "GiB the plan keeps free at least", "-", "-", "a choice"),
+    "AUTO_ACTIVATION_HEADROOM": Fitted(
+        0.15, "share of an auto choice's activations left free on top (a choice at the edge of an "
+        "estimate would fail as an OOM mid-run)", "-", "-",
+        "a choice: the activation terms fit the 1B shape within 4 % and other shapes within about 15 %"),
+}
+ENGINE_ASLEEP_GIB = CALIBRATION["ENGINE_ASLEEP_GIB"].value
+ENGINE_ACTIVATION_GIB = CALIBRATION["ENGINE_ACTIVATION_GIB"].value
+TRAINER_CONTEXT_GIB = CALIBRATION["TRAINER_CONTEXT_GIB"].value
+RESIDENT_SLACK_FRACTION = CALIBRATION["RESIDENT_SLACK_FRACTION"].value
+ENGINE_BEYOND_BUDGET_GIB = CALIBRATION["ENGINE_BEYOND_BUDGET_GIB"].value
+ACT_HIDDEN, ACT_INTERMEDIATE = CALIBRATION["ACT_HIDDEN"].value, CALIBRATION["ACT_INTERMEDIATE"].value
+LIGER_ACTIVATION_FACTOR = CALIBRATION["LIGER_ACTIVATION_FACTOR"].value
+BF16_ACTIVATION_FACTOR = CALIBRATION["BF16_ACTIVATION_FACTOR"].value
+LOGITS_COPIES = CALIBRATION["LOGITS_COPIES"].value
+CHUNK_LOGITS_COPIES = CALIBRATION["CHUNK_LOGITS_COPIES"].value
+MARGIN_FRACTION, MARGIN_MIN_GIB = CALIBRATION["MARGIN_FRACTION"].value, CALIBRATION["MARGIN_MIN_GIB"].value
+AUTO_ACTIVATION_HEADROOM = CALIBRATION["AUTO_ACTIVATION_HEADROOM"].value
 OFFLOAD_CHOICES = ("none", "optimizer", "all")  # least offload first
 CPU_OFFLOAD = "all"  # on the CPU there is no GPU memory to plan: the path runs as before auto existed
 
@@ -177,6 +197,7 @@ class Plan:
     # the least margin): the Offloader keeps torch's cache when at least this much is free; 0 with
     # trainer.keep_cache off, where the cache is always emptied
     engine_wake_bytes: float = 0.0
+    reasons: dict[str, str] = field(default_factory=dict)  # why each key the config left to the plan got its value
 
     def table(self) -> str:
         rows = [("component", "GiB", "engine awake", "training")]
@@ -190,12 +211,17 @@ class Plan:
         else:
             head = (f"memory plan: device {self.total_gib:.1f} GiB, {self.free_gib:.1f} GiB free before the "
                     f"engine, margin {self.margin_gib:.1f} GiB")
-        tail = [f"trainer.offload -> {self.offload}",
-                f"generator.gpu_memory_utilization -> {self.gpu_memory_utilization:.3f}",
-                f"trainer.micro_batch_size -> {self.micro_batch_size}",
-                f"trainer.logprob_recompute -> {str(self.logprob_recompute).lower()}"]
+        tail = [f"trainer.offload -> {self.offload}" + self._why("trainer.offload"),
+                f"generator.gpu_memory_utilization -> {self.gpu_memory_utilization:.3f}"
+                + self._why("generator.gpu_memory_utilization"),
+                f"trainer.micro_batch_size -> {self.micro_batch_size}" + self._why("trainer.micro_batch_size"),
+                f"trainer.logprob_recompute -> {str(self.logprob_recompute).lower()}"
+                + self._why("trainer.logprob_recompute")]
         tail += [f"predicted {k}: {v:.2f} GiB" for k, v in self.predicted.items()]
         return "\n".join([head, *lines, *tail, *self.notes])
+
+    def _why(self, key: str) -> str:
+        return f": {self.reasons[key]}" if key in self.reasons else ""
 
     def metrics(self) -> dict[str, float]:
         return {f"memory/{k}_predicted_gib": v for k, v in self.predicted.items()}
@@ -284,10 +310,80 @@ def plan_memory(settings: RunConfig, shape: Shape, seq_len: int,
     """
     t, g = settings.trainer, settings.generator
     cuda = device_memory is not None
-    micro_batch = _micro_batch(settings, shape, seq_len, device_memory, engine_on_device)
-    recompute = _recompute(settings, shape, seq_len, device_memory, engine_on_device, micro_batch)
+    micro_batch, micro_reason = _micro_batch(settings, shape, seq_len, device_memory, engine_on_device)
+    recompute, recompute_reason = _recompute(settings, shape, seq_len, device_memory, engine_on_device, micro_batch)
+    reasons = {"trainer.micro_batch_size": micro_reason, "trainer.logprob_recompute": recompute_reason}
     s = sizes(settings, shape, seq_len, cuda=cuda, micro_batch=micro_batch, recompute=recompute)
     asleep = ENGINE_ASLEEP_GIB * GIB if cuda else 0.0
+    components = _components(settings, s, micro_batch, seq_len, recompute)
+
+    if not cuda:
+        return _host_plan(settings, components, micro_batch, recompute, reasons)
+
+    free, total = device_memory
+    training_room = _training_room(free, engine_on_device)  # the trainer's peak beside the sleeping engine
+    if not engine_on_device:
+        _place(components, "none")
+        if s.trainer_peak() > training_room:
+            raise ConfigError(_refusal(settings, shape, seq_len, s, training_room, free, 0, micro_batch))
+        return Plan("none" if t.offload == "auto" else t.offload, 0.5 if g.gpu_memory_utilization == "auto"
+                    else float(g.gpu_memory_utilization), components, micro_batch, recompute, total_gib=total / GIB,
+                    free_gib=free / GIB, reasons={**reasons, "trainer.offload": "generator.device=cpu: the trainer "
+                                                  "keeps the GPU", "generator.gpu_memory_utilization": "unused: "
+                                                  "generator.device=cpu"},
+                    notes=["generator.device=cpu: the engine takes none of the GPU, the trainer stays on it"])
+    margin = max(MARGIN_FRACTION * free, MARGIN_MIN_GIB * GIB)
+    room = free - margin - TRAINER_CONTEXT_GIB * GIB  # what the trainer's tensors and the engine share
+
+    if s.trainer_peak() > training_room:
+        raise ConfigError(_refusal(settings, shape, seq_len, s, training_room, free, margin, micro_batch))
+
+    (chosen, offload_reason), (budget, budget_reason) = _offload_and_budget(settings, s, free, total, room, margin,
+                                                                           asleep)
+    engine_fixed = s.engine_weights + asleep + ENGINE_ACTIVATION_GIB * GIB
+    beyond = ENGINE_BEYOND_BUDGET_GIB * GIB  # held awake outside the engine's budget
+    util = budget / total
+    if g.gpu_memory_utilization == "auto":
+        util = int(util * 1000) / 1000  # vLLM's budget: round down
+    kv = util * total - engine_fixed
+    resident = s.awake_resident(chosen)
+    wake = util * total + beyond + MARGIN_MIN_GIB * GIB
+    # After a train step torch's allocator holds about the step's peak; where the engine can wake
+    # beside that too, and trainer.keep_cache asks for it, the Offloader keeps it
+    # (Offloader.keep_cache_if_free) and so does the plan.
+    cached = s.trainer_peak() * (1 + RESIDENT_SLACK_FRACTION)
+    keep_cache = t.keep_cache and free - TRAINER_CONTEXT_GIB * GIB - cached - asleep >= wake
+    if keep_cache:
+        resident = max(resident, cached)
+    components.append(Component("engine KV cache", kv, "GPU", "-"))
+    components.append(Component("engine beyond its budget (awake)", beyond, "GPU", "-"))
+    slack = resident - s.awake_resident(chosen) / (1 + RESIDENT_SLACK_FRACTION)
+    if slack:
+        components.append(Component("trainer allocator cache (kept: the engine wakes beside it)" if keep_cache
+                                    else "trainer allocator slack", slack, "GPU", "-"))
+    components.append(Component("engine asleep (CUDA graphs, context)", asleep, "GPU", "GPU"))
+    _place(components, chosen)
+    predicted = {
+        # the trainer's peak as torch counts it (memory/trainer_peak_gib)
+        "trainer_peak": s.trainer_peak() / GIB,
+        # free device memory with the engine awake (memory/free_after_wake_kv_gib)
+        "free_after_wake_kv": free_awake(free, total, resident, util) / GIB,
+    }
+    reasons.update({"trainer.offload": offload_reason, "generator.gpu_memory_utilization": budget_reason})
+    notes = []
+    if t.offload == "auto":
+        notes.append(f"offload=auto: {chosen} is the least offload with the awake engine's "
+                     f"{util * total / GIB:.1f} GiB, the trainer's {resident / GIB:.1f} GiB and the margin on the device")
+    return Plan(chosen, util, components, micro_batch, recompute, reasons=reasons, total_gib=total / GIB,
+                free_gib=free / GIB,
+                margin_gib=margin / GIB,
+                predicted=predicted, notes=notes,
+                engine_wake_bytes=wake if t.keep_cache else 0.0)
+
+
+def _components(settings: RunConfig, s: _Sizes, micro_batch: int, seq_len: int, recompute: bool) -> list[Component]:
+    """The plan's rows before the engine's budget is known (where offloaded parts live: "")."""
+    t = settings.trainer
     components = [
         Component("trainer weights" + (" (fp32 masters)" if trainer_precision(settings) == "mixed" else ""),
                   s.weights, "", "GPU"),
@@ -306,30 +402,34 @@ def plan_memory(settings: RunConfig, shape: Shape, seq_len: int,
     if s.push_copy:
         components.append(Component(f"push copy in {settings.model.dtype}", s.push_copy, "GPU (during push)", "-"))
     components.append(Component(f"engine weights ({settings.model.dtype})", s.engine_weights, "GPU", "-"))
+    return components
 
-    if not cuda:
-        offload = CPU_OFFLOAD if t.offload == "auto" else t.offload
-        util = g.gpu_memory_utilization if g.gpu_memory_utilization != "auto" else 0.5
-        _place(components, offload)
-        return Plan(offload, float(util), components, micro_batch, recompute,
-                    notes=[f"the engine's KV cache is generator.cpu_kvcache_gib={g.cpu_kvcache_gib} GiB of host memory"])
 
-    free, total = device_memory
-    training_room = _training_room(free, engine_on_device)  # the trainer's peak beside the sleeping engine
-    if not engine_on_device:
-        _place(components, "none")
-        if s.trainer_peak() > training_room:
-            raise ConfigError(_refusal(settings, shape, seq_len, s, training_room, free, 0, micro_batch))
-        return Plan("none" if t.offload == "auto" else t.offload, 0.5 if g.gpu_memory_utilization == "auto"
-                    else float(g.gpu_memory_utilization), components, micro_batch, recompute, total_gib=total / GIB,
-                    free_gib=free / GIB,
-                    notes=["generator.device=cpu: the engine takes none of the GPU, the trainer stays on it"])
-    margin = max(MARGIN_FRACTION * free, MARGIN_MIN_GIB * GIB)
-    room = free - margin - TRAINER_CONTEXT_GIB * GIB  # what the trainer's tensors and the engine share
+def _host_plan(settings: RunConfig, components: list[Component], micro_batch: int, recompute: bool,
+               reasons: dict[str, str]) -> Plan:
+    """A CPU run: no GPU memory to plan; everything lives in host memory."""
+    t, g = settings.trainer, settings.generator
+    offload = CPU_OFFLOAD if t.offload == "auto" else t.offload
+    util = g.gpu_memory_utilization if g.gpu_memory_utilization != "auto" else 0.5
+    _place(components, offload)
+    for c in components:  # no GPU: whatever lives anywhere lives in host memory
+        c.awake, c.training = (_on_host(where) for where in (c.awake, c.training))
+    reasons.update({"trainer.offload": "a CPU run: no GPU memory to plan, everything leaves as before auto"
+                    if t.offload == "auto" else "as given",
+                    "generator.gpu_memory_utilization": "a CPU run: the engine's KV cache is "
+                    "generator.cpu_kvcache_gib" if g.gpu_memory_utilization == "auto" else "as given"})
+    return Plan(offload, float(util), components, micro_batch, recompute, reasons=reasons,
+                notes=[f"the engine's KV cache is generator.cpu_kvcache_gib={g.cpu_kvcache_gib} GiB of host memory"])
 
-    if s.trainer_peak() > training_room:
-        raise ConfigError(_refusal(settings, shape, seq_len, s, training_room, free, margin, micro_batch))
 
+def _offload_and_budget(settings: RunConfig, s: _Sizes, free: float, total: float, room: float, margin: float,
+                        asleep: float) -> tuple[tuple[str, str], tuple[float, str]]:
+    """trainer.offload and the engine's budget in bytes (generator.gpu_memory_utilization x total),
+    each with its reason: the least offload whose trainer, pushed weights and awake engine fit in
+    `room` bytes, with the budget that holds every sequence's KV cache (auto) or the one given;
+    where none does under auto, the most offload and what is left. Raises ConfigError naming what to
+    change where nothing fits."""
+    t, g = settings.trainer, settings.generator
     engine_fixed = s.engine_weights + asleep + ENGINE_ACTIVATION_GIB * GIB
     beyond = ENGINE_BEYOND_BUDGET_GIB * GIB  # held awake outside the engine's budget
     engine_min = engine_fixed + g.max_model_len * s.kv_per_token  # one full sequence
@@ -385,41 +485,13 @@ def plan_memory(settings: RunConfig, shape: Shape, seq_len: int,
             f"trainer.offload={most} on a device with {free / GIB:.1f} GiB free: "
             + ("use trainer.offload=auto" if t.offload != "auto" else
                "lower generator.max_model_len, use a 16-bit model.dtype or a GPU with more memory"))
-    util = budget / total
-    if g.gpu_memory_utilization == "auto":
-        util = int(util * 1000) / 1000  # vLLM's budget: round down
-    kv = util * total - engine_fixed
-    resident = s.awake_resident(chosen)
-    wake = util * total + beyond + MARGIN_MIN_GIB * GIB
-    # After a train step torch's allocator holds about the step's peak; where the engine can wake
-    # beside that too, and trainer.keep_cache asks for it, the Offloader keeps it
-    # (Offloader.keep_cache_if_free) and so does the plan.
-    cached = s.trainer_peak() * (1 + RESIDENT_SLACK_FRACTION)
-    keep_cache = t.keep_cache and free - TRAINER_CONTEXT_GIB * GIB - cached - asleep >= wake
-    if keep_cache:
-        resident = max(resident, cached)
-    components.append(Component("engine KV cache", kv, "GPU", "-"))
-    components.append(Component("engine beyond its budget (awake)", beyond, "GPU", "-"))
-    slack = resident - s.awake_resident(chosen) / (1 + RESIDENT_SLACK_FRACTION)
-    if slack:
-        components.append(Component("trainer allocator cache (kept: the engine wakes beside it)" if keep_cache
-                                    else "trainer allocator slack", slack, "GPU", "-"))
-    components.append(Component("engine asleep (CUDA graphs, context)", asleep, "GPU", "GPU"))
-    _place(components, chosen)
-    predicted = {
-        # the trainer's peak as torch counts it (memory/trainer_peak_gib)
-        "trainer_peak": s.trainer_peak() / GIB,
-        # free device memory with the engine awake (memory/free_after_wake_kv_gib)
-        "free_after_wake_kv": free_awake(free, total, resident, util) / GIB,
-    }
-    notes = []
-    if t.offload == "auto":
-        notes.append(f"offload=auto: {chosen} is the least offload with the awake engine's "
-                     f"{util * total / GIB:.1f} GiB, the trainer's {resident / GIB:.1f} GiB and the margin on the device")
-    return Plan(chosen, util, components, micro_batch, recompute, total_gib=total / GIB, free_gib=free / GIB,
-                margin_gib=margin / GIB,
-                predicted=predicted, notes=notes,
-                engine_wake_bytes=wake if t.keep_cache else 0.0)
+    offload_reason = (f"the least offload with the awake engine's {budget / GIB:.1f} GiB, the trainer's "
+                      f"{s.awake_resident(chosen) / GIB:.1f} GiB and the margin on the device"
+                      if t.offload == "auto" else "as given")
+    budget_reason = (("every sequence's KV cache beside the trainer" if budget == engine_want else
+                      "what is left beside the trainer (vLLM queues the sequences that do not fit)")
+                     if g.gpu_memory_utilization == "auto" else "as given")
+    return (chosen, offload_reason), (budget, budget_reason)
 
 
 def _training_room(free: float, engine_on_device: bool) -> float:
@@ -430,24 +502,27 @@ def _training_room(free: float, engine_on_device: bool) -> float:
 
 
 def _micro_batch(settings: RunConfig, shape: Shape, seq_len: int, device_memory: tuple[int, int] | None,
-                 engine_on_device: bool) -> int:
-    """trainer.micro_batch_size with auto resolved: on a GPU, the largest of AUTO_MICRO_BATCHES (at
+                 engine_on_device: bool) -> tuple[int, str]:
+    """trainer.micro_batch_size with auto resolved, and why: on a GPU, the largest of AUTO_MICRO_BATCHES (at
     most the step's sequences) whose trainer peak, with AUTO_ACTIVATION_HEADROOM of its activations
     on top, fits beside the sleeping engine, or 1 where none does (the refusal then says what
     would); DEFAULT_MICRO_BATCH on the CPU and under trainer.parallel (each rank plans on its own
     device, and the ranks must agree)."""
     t = settings.trainer
     if t.micro_batch_size != "auto":
-        return t.micro_batch_size
-    if device_memory is None or t.parallel != "none":
-        return DEFAULT_MICRO_BATCH
+        return t.micro_batch_size, "as given"
+    if device_memory is None:
+        return DEFAULT_MICRO_BATCH, "no GPU memory to plan: the default"
+    if t.parallel != "none":
+        return DEFAULT_MICRO_BATCH, f"trainer.parallel={t.parallel}: the ranks must agree, the default"
     room = _training_room(device_memory[0], engine_on_device)
     sequences = t.prompts_per_step * settings.sampling.n
     for b in AUTO_MICRO_BATCHES:
         b = min(b, sequences)
         if _fits_with_headroom(sizes(settings, shape, seq_len, cuda=True, micro_batch=b), room):
-            return b
-    return 1
+            return b, (f"the largest whose trainer peak (with {AUTO_ACTIVATION_HEADROOM:.0%} of its activations "
+                       f"to spare) fits beside the sleeping engine" if b < sequences else "the whole step at once")
+    return 1, "none fits: the least"
 
 
 def _fits_with_headroom(s: _Sizes, room: float) -> bool:
@@ -457,18 +532,21 @@ def _fits_with_headroom(s: _Sizes, room: float) -> bool:
 
 
 def _recompute(settings: RunConfig, shape: Shape, seq_len: int, device_memory: tuple[int, int] | None,
-               engine_on_device: bool, micro_batch: int) -> bool:
-    """trainer.logprob_recompute with auto resolved: on a GPU, with the fused chunked head and no
+               engine_on_device: bool, micro_batch: int) -> tuple[bool, str]:
+    """trainer.logprob_recompute with auto resolved, and why: on a GPU, with the fused chunked head and no
     trainer.parallel, keep the head's logits (false) where the trainer's peak with them, and
     AUTO_ACTIVATION_HEADROOM of its activations on top, still fits beside the sleeping engine at
     the micro-batch already chosen; else recompute (true)."""
     t = settings.trainer
     if t.logprob_recompute != "auto":
-        return bool(t.logprob_recompute)
+        return bool(t.logprob_recompute), "as given"
     if device_memory is None or t.parallel != "none" or not t.fused_head or not t.logprob_chunk:
-        return True
+        return True, ("nothing planned (no GPU, or trainer.parallel)" if device_memory is None or t.parallel != "none"
+                      else "needs trainer.fused_head and trainer.logprob_chunk")
     kept = sizes(settings, shape, seq_len, cuda=True, micro_batch=micro_batch, recompute=False)
-    return not _fits_with_headroom(kept, _training_room(device_memory[0], engine_on_device))
+    if _fits_with_headroom(kept, _training_room(device_memory[0], engine_on_device)):
+        return False, f"the head's logits fit beside micro-batch {micro_batch}: kept for backward"
+    return True, f"the head's logits do not fit beside micro-batch {micro_batch}: recomputed"
 
 
 def free_awake(free: float, total: float, resident: float, util: float) -> float:
@@ -476,6 +554,10 @@ def free_awake(free: float, total: float, resident: float, util: float) -> float
     free before the engine, less the trainer's context and resident state, the engine's budget and
     what it holds beyond it."""
     return free - TRAINER_CONTEXT_GIB * GIB - resident - util * total - ENGINE_BEYOND_BUDGET_GIB * GIB
+
+
+def _on_host(where: str) -> str:
+    return where.replace("GPU", "host")
 
 
 def _place(components: list[Component], offload: str) -> None:
@@ -564,7 +646,10 @@ def plan_run(settings: RunConfig, model_dir: Path, device: str, task=None,
         log.warning("no memory plan for %s (%s): trainer.offload=%s, generator.gpu_memory_utilization=%s, "
                     "trainer.micro_batch_size=%s", model_dir, exc, t.offload, g.gpu_memory_utilization,
                     t.micro_batch_size)
-        return Plan(t.offload, float(g.gpu_memory_utilization), [], t.micro_batch_size, t.logprob_recompute)
+        return Plan(t.offload, float(g.gpu_memory_utilization), [], t.micro_batch_size, t.logprob_recompute,
+                    reasons={key: f"no memory plan for this model ({exc}): the default" for key in (
+                        "trainer.offload", "generator.gpu_memory_utilization", "trainer.micro_batch_size",
+                        "trainer.logprob_recompute")})
     plan = plan_memory(settings, shape, sequence_length(settings, task),
                        memory if memory is not None else device_memory(device),
                        engine_on_device=resolve_device(settings.generator.device) != "cpu")

@@ -97,7 +97,7 @@ def test_truncated_importance_sampling_needs_the_engines_logprobs_at_the_trainer
 
 
 def test_engine_logprobs_are_asked_for_every_kth_step_and_every_step_under_tis():
-    from colo_rl.run import logprobs_due
+    from colo_rl.rollout import logprobs_due
 
     def due(*overrides):
         settings = validate(compose_config(*overrides))
@@ -117,7 +117,7 @@ def test_engine_logprobs_are_asked_for_every_kth_step_and_every_step_under_tis()
 
 
 def test_a_step_is_seeded_once_per_rank_or_once_per_prompt_by_seed_scope():
-    from colo_rl.run import prompt_seeds, step_seed
+    from colo_rl.rollout import prompt_seeds, step_seed
 
     s = validate(compose_config("sampling.n=4")).sampling
     assert s.seed_scope == "batch"  # the default: one seed per step and rank, the engine's full speed

@@ -495,7 +495,7 @@ def test_an_update_that_failed_with_its_state_intact_is_checkpointed():
     """The update window marks the trainer's state unknown on any exception, except one that says
     the state is whole (TrainerOutOfMemory before any optimizer step): then the run's failure
     handler writes the checkpoint of the last applied step."""
-    from colo_rl.run import InterruptGuard
+    from colo_rl.signals import InterruptGuard
     from colo_rl.trainer import TrainerOutOfMemory
 
     guard = InterruptGuard()

@@ -38,16 +38,15 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from colo_rl.config import ConfigError
+from colo_rl.config import CheckpointError
 from colo_rl.lora import is_lora
-from colo_rl.trainer.grpo import GRPOTrainer
 
 FORMAT = "colo_rl-checkpoint"
 FORMAT_VERSION = 2
@@ -70,15 +69,23 @@ COMPARED_KEYS = {
 }
 
 
-class CheckpointError(ConfigError):
-    """A checkpoint cannot be written or read, or does not fit this run; the message names the
-    file or the keys and what to do."""
+class TrainerState(Protocol):
+    """What a checkpoint reads and writes of a trainer (GRPOTrainer is one): its state as a dict
+    of tensors and back, the policy module, the frozen reference (or None) and its config."""
+
+    model: torch.nn.Module
+    reference: torch.nn.Module | None
+    cfg: Any
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
 
 
 # -- writing ------------------------------------------------------------------------------------
 
 
-def save_checkpoint(directory: str | Path, trainer: GRPOTrainer, extra: dict, state: dict | None = None,
+def save_checkpoint(directory: str | Path, trainer: TrainerState, extra: dict, state: dict | None = None,
                     *, config: dict | None = None, model_dir: str | Path | None = None,
                     rng: dict | None = None) -> Path:
     """Write the checkpoint directory `directory` atomically; returns it.
@@ -368,7 +375,7 @@ def _fmt(value: Any) -> str:
     return "null" if value is None else str(value)
 
 
-def load_checkpoint(directory: str | Path, trainer: GRPOTrainer, *, config: dict | None = None,
+def load_checkpoint(directory: str | Path, trainer: TrainerState, *, config: dict | None = None,
                     verified: bool = False) -> dict:
     """Verify, compare (with `config`: the run's resolved config) and load a checkpoint written
     by save_checkpoint into `trainer`, with every RNG state; returns its `extra`. `verified`: the
@@ -477,7 +484,7 @@ class HostBuffers:
         return buffer
 
 
-def snapshot(trainer: GRPOTrainer, extra: dict, state: dict | None = None,
+def snapshot(trainer: TrainerState, extra: dict, state: dict | None = None,
              buffers: HostBuffers | None = None) -> Snapshot:
     """A host copy of the trainer's state, the RNG states and `extra`, isolated from the updates
     that follow. Tensors that share memory (tied weights) stay shared in the copy, so the file
@@ -525,7 +532,7 @@ class BackgroundWriter:
     def busy(self) -> bool:
         return self._thread is not None
 
-    def snapshot(self, trainer: GRPOTrainer, extra: dict, state: dict | None = None) -> Snapshot:
+    def snapshot(self, trainer: TrainerState, extra: dict, state: dict | None = None) -> Snapshot:
         """snapshot() into this writer's host buffers, once the write in flight (which reads them)
         has ended."""
         self.wait()

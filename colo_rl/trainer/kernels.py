@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import inspect
+import logging
 import sys
 import types
 from pathlib import Path
@@ -32,10 +33,29 @@ import torch
 from colo_rl.config import ConfigError
 
 
+class _UnusedBackends(logging.Filter):
+    """Liger looks for each op's implementation in every vendor's backend module (Triton, CuTe DSL,
+    Ascend, cuTile) and logs a warning for each one that cannot be imported on this machine: noise
+    at the start of every run, since the Triton one runs. An op with no importable backend still
+    fails when it runs; the failures stay in liger_kernel.backends.registry.get_discovery_failures()."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (isinstance(record.msg, str) and "could not be imported" in record.msg
+                    and record.msg.startswith("Backend impl"))
+
+
+def quiet_liger_discovery() -> None:
+    """Installs _UnusedBackends on Liger's registry logger (once), before Liger is imported."""
+    registry = logging.getLogger("liger_kernel.backends.registry")
+    if not any(isinstance(f, _UnusedBackends) for f in registry.filters):
+        registry.addFilter(_UnusedBackends())
+
+
 def liger_model_types() -> set[str]:
     """The model types (config.json's model_type) liger-kernel patches; empty without it."""
     if importlib.util.find_spec("liger_kernel") is None:
         return set()
+    quiet_liger_discovery()
     from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
 
     return set(MODEL_TYPE_TO_APPLY_LIGER_FN)
@@ -91,6 +111,7 @@ def apply_liger(model: torch.nn.Module) -> None:
     a `trainer.kernels=none` one or a CPU one included, would run Liger's kernels. Those names are
     put back here; the module-level functions Liger swapped in (RoPE) reach this model's modules
     that call them through a subclass whose forward sees Liger's function (same class name)."""
+    quiet_liger_discovery()
     from liger_kernel.transformers.monkey_patch import _apply_liger_kernel_to_instance, _patch_rms_norm_module
 
     hf = _hf_model(model)

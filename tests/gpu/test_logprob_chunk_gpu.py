@@ -39,7 +39,7 @@ def test_compiled_log_softmax_of_the_chunks_matches_the_eager_ops_and_holds_no_m
     ops on the same bf16 logits (chunks of 512 and a shorter last one) the fp32 log-probs, loss
     and gradients agree to fp32 rounding of the reductions, and the compiled backward keeps no
     more memory."""
-    from colo_rl.trainer.grpo import _target_logprobs_compiled
+    from colo_rl.trainer.logprobs import _target_logprobs_compiled
 
     def chunked(kernel: str) -> Update:
         return olmo2_update(TrainerConfig(logprob_chunk=512, micro_batch_size=B, logprob_kernel=kernel),

@@ -8,7 +8,7 @@ import torch
 from colo_rl.config import ModelConfig, TrainerConfig
 from colo_rl.models import load_policy, write_embedded_model
 from colo_rl.trainer import GRPOTrainer, group_advantages, grpo_loss, loss_normalizer
-from colo_rl.trainer.grpo import scheduled_lr
+from colo_rl.trainer.optim import scheduled_lr
 
 PROMPTS = [[5, 6, 7], [8, 9]]
 GROUP = 3

@@ -10,7 +10,7 @@ import torch
 from colo_rl.config import ConfigError, ModelConfig, TrainerConfig
 from colo_rl.models import load_policy, write_embedded_model
 from colo_rl.trainer import GRPOTrainer
-from colo_rl.trainer.grpo import grpo_loss
+from colo_rl.trainer.loss import grpo_loss
 from colo_rl.trainer.kernels import apply_liger, check_kernels, decoder_layers, resolve_kernels
 
 from ..conftest import update_recording_grads
@@ -124,3 +124,19 @@ def test_liger_patches_the_model_it_is_given_and_no_other(model_dir):
     with torch.no_grad():  # it runs on the CPU, as Hugging Face's model
         torch.testing.assert_close(plain(input_ids=ids).logits,
                                    load_policy(ModelConfig(), model_dir, "cpu")(input_ids=ids).logits)
+
+
+def test_liger_backend_discovery_logs_no_warning_for_other_vendors_backends(caplog):
+    """Liger's discovery of an op's backends on this machine (the CuTe DSL, Ascend and cuTile
+    modules cannot be imported here, as on most GPUs): no warning reaches the run's output."""
+    import logging
+
+    from liger_kernel.backends import registry
+
+    from colo_rl.trainer.kernels import quiet_liger_discovery
+
+    quiet_liger_discovery()
+    with caplog.at_level(logging.WARNING):
+        registry._discover("layer_norm")
+    assert any("layer_norm" in path for path in registry.get_discovery_failures())  # there was something to say
+    assert not [r for r in caplog.records if "could not be imported" in r.getMessage()]

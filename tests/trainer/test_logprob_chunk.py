@@ -10,7 +10,7 @@ from colo_rl.config import LoraConfig, ModelConfig, TrainerConfig
 from colo_rl.lora import apply_lora
 from colo_rl.models import load_policy, write_embedded_model
 from colo_rl.trainer import GRPOTrainer
-from colo_rl.trainer.grpo import _output_head
+from colo_rl.trainer.logprobs import _output_head
 
 from ..conftest import update_recording_grads
 
@@ -146,7 +146,7 @@ def test_compiled_log_softmax_of_the_chunks_gives_the_full_paths_loss_and_gradie
     """trainer.logprob_kernel=compiled (the default on CUDA): each chunk's logits go through one
     torch.compile'd function, under the chunk's activation checkpointing; chunks of 5 leave a
     shorter last one (the dynamic size). Same log-probs, loss and gradients as the full logits."""
-    from colo_rl.trainer.grpo import _target_logprobs_compiled, _target_logprobs_eager
+    from colo_rl.trainer.logprobs import _target_logprobs_compiled, _target_logprobs_eager
 
     compiled = trainer(policy(model_dir), 5, micro_batch_size=4, logprob_kernel="compiled")
     assert compiled.target_logprobs is _target_logprobs_compiled()

@@ -222,7 +222,7 @@ def test_compute_copies_give_the_gradients_of_the_model_they_emulate_bit_for_bit
     fused-accumulation (trainer.fuse_grad_accumulation): the linear layers' weight gradients go
     into the masters from their own backward (the copies get none); on a CPU by the same bf16
     product and fp32 add, so bit for bit too (on CUDA the sum happens inside the matmul)."""
-    from colo_rl.trainer.grpo import compute_copies
+    from colo_rl.trainer.precision import compute_copies
 
     model_dir = write_embedded_model(ModelConfig(), tmp_path / "model")
     emulated = load_policy(ModelConfig(), model_dir, "cpu")
@@ -252,7 +252,7 @@ def test_compute_copies_give_the_gradients_of_the_model_they_emulate_bit_for_bit
 
 
 def test_weight_copies_are_made_only_where_nothing_else_holds_the_parameters():
-    from colo_rl.config import weight_copies
+    from colo_rl.trainer.precision import weight_copies
 
     assert weight_copies(True, False, compile=False, lora=False, fp32_activations=True) == "matmul"
     assert weight_copies(True, False, compile=False, lora=False, fp32_activations=False) == "all"
