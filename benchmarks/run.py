@@ -55,9 +55,9 @@ def words(value) -> list[str]:
 
 
 def has_cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
+    """A GPU with its driver (nvidia-smi), asked without importing torch: the runner's own process
+    must not create a CUDA context beside the runs it measures."""
+    return shutil.which("nvidia-smi") is not None
 
 
 class Runner:
