@@ -86,7 +86,8 @@ def check_step(step: dict, spec: dict, kind: str) -> None:
     elif kind == "side_by_side":
         assert ("colo_rl" in raw) == ("colo_rl" in spec) and ("bare_vllm" in raw) == bool(spec.get("bare"))
         if "colo_rl" in spec:
-            assert raw["colo_rl"]["arms"][0]["exit_code"] == 0 and len(raw["colo_rl"]["arms"][0]["steps"]) == SMOKE.steps
+            (arm,) = raw["colo_rl"]["arms"]
+            assert arm["exit_code"] == 0 and len(arm["steps"]) == SMOKE.steps, arm["output_tail"]
         if spec.get("bare"):
             assert raw["bare_vllm"]["exit_code"] == 0 and raw["bare_vllm"]["tokens_per_s"] > 0
         assert "TRL's arms need a GPU" in step["skipped"]["trl"] or "not installed" in step["skipped"]["trl"]
