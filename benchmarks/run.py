@@ -66,6 +66,7 @@ class Runner:
         self.budget_s = budget_s
         self.started = time.perf_counter()
         self.results = {"armset": name, "smoke": smoke, "colo_rl_overrides": colo_rl, "steps": []}
+        out.mkdir(parents=True, exist_ok=True)
 
     def time_left(self) -> bool:
         return self.budget_s is None or time.perf_counter() - self.started < self.budget_s
@@ -95,7 +96,6 @@ class Runner:
 
     def record(self, step: dict) -> None:
         self.results["steps"].append(step)
-        self.out.mkdir(parents=True, exist_ok=True)
         (self.out / f"{self.name}.json").write_text(json.dumps(self.results, indent=1))
 
     def smoke_flag(self) -> list[str]:
