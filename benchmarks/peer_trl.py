@@ -10,8 +10,8 @@
 
 The workload is benchmarks/workload.py's, with random weights built locally (colo_rl's embedded
 config and tokenizer, weights seeded; no model hub); TRL's micro-batch is colo_rl's, with gradient
-accumulation over a step's completions (one optimizer step per generation). Arms: `trl_bf16` (the model loaded
-in bf16) and `trl_default` (TRL's default: fp32 parameters, bf16 autocast). Each arm runs in its
+accumulation over a step's completions (one optimizer step per generation). Arms: `trl_bf16` (the
+model loaded in bf16) and `trl_default` (TRL's default: fp32 parameters, bf16 autocast). Each arm runs in its
 own process (its own vLLM), with nvidia-smi sampling the device's memory every 100 ms. Phases are
 timed by wrapping TRL's own calls: `generate` is vLLM's `llm.generate`, `switch` is the rest of
 TRL's vLLM work in the step (sync_weights, wake, sleep), `train` the step minus the whole
@@ -226,7 +226,8 @@ def run_bare(w: dict, out_dir: Path, timeout_s: float) -> dict:
     seeds = [1000 + i * w["n"] for i in range(w["prompts"])]
     request = {
         "engine_kwargs": dict(model=str(model_dir), tokenizer=str(model_dir), load_format="dummy", dtype=cfg.dtype,
-                              gpu_memory_utilization=w["gpu_memory_utilization"], max_model_len=w["prompt_len"] + w["max_tokens"] + 8,
+                              gpu_memory_utilization=w["gpu_memory_utilization"],
+                              max_model_len=w["prompt_len"] + w["max_tokens"] + 8,
                               max_num_seqs=gen.max_num_seqs, seed=0, enforce_eager=not w["gpu"],
                               logprobs_mode="processed_logprobs",
                               **({"enable_sleep_mode": True} if w["gpu"] else {})),
