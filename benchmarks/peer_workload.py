@@ -6,8 +6,8 @@
 
 The workload is benchmarks/workload.py's (`--smoke`: its CPU form). Each arm is one run in its own
 process (its own engine), with the arm's Hydra overrides on top. Per arm it reports the medians of
-steps 2.. (the first step pays for the pinned buffers), the peak GPU memory of the whole device (nvidia-smi every 100 ms, engine and
-trainer together, as TRL's figure was taken), and the fraction of the policy's weights that the
+steps 2.. (the first step pays for the pinned buffers), the peak GPU memory of the whole device
+(nvidia-smi every 100 ms, engine and trainer together, as TRL's figure was taken), and the fraction of the policy's weights that the
 run changed: the final checkpoint against the seeded initial weights (under LoRA: the merged
 weights the engine gets, in model.dtype). `--leave-gib N` runs every arm beside a second process
 that holds all but N GiB of the GPU (benchmarks/hold_memory.py: an emulated N GiB card); the
