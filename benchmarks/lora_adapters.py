@@ -2,7 +2,7 @@
 
     python benchmarks/lora_adapters.py --out $OUT/lora_adapters.json                  # H200, 1B shape: ~3 min
     python benchmarks/lora_adapters.py --model olmo2_7b_shape --out $OUT/lora_7b.json
-    python benchmarks/lora_adapters.py --model tiny --prompts 4 --n 2 --max-tokens 8 --out /tmp/lora.json  # CPU
+    python benchmarks/lora_adapters.py --smoke --out /tmp/lora.json                   # CPU: the smoke workload
 
 colo_rl pushes a LoRA policy as merged weights: each adapted weight is base + B @ A, computed on the
 GPU into an engine-dtype copy and loaded like a full push (`timing/weight_load_s` of a LoRA run);
@@ -12,8 +12,8 @@ LoRARequest, then generates through its LoRA kernels on every adapted layer. Thi
 the second on one engine (`enable_lora=True`, seeded random base weights): per round it writes a new
 adapter (seeded random A and B, rank --rank on every decoder linear), generates with it (its first
 use: vLLM loads it), generates with it again (loaded), and generates with no adapter (the base: the
-speed merged weights get). The prompts and sampling are the peer workload's (32 distinct prompts of
-128 token ids x 8 completions x 256 tokens, EOS ignored, unseeded). It reports the medians over
+speed merged weights get). The prompts and sampling are the peer workload's (benchmarks/workload.py:
+distinct prompts of random token ids, EOS ignored, unseeded). It reports the medians over
 rounds after the first, as JSON; compare `adapter_step_s` (write + first generate) with a merged
 push's `timing/weight_load_s` + `base_generate_s`.
 """
@@ -40,15 +40,24 @@ LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True, help="JSON file of every number")
-    p.add_argument("--model", default="olmo2_1b_shape", help="model preset (conf/model)")
+    p.add_argument("--model", default=None, help="model preset (conf/model; default: the workload's)")
+    p.add_argument("--smoke", action="store_true", help="the workload's CPU form (benchmarks/workload.py)")
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--rounds", type=int, default=4)
-    p.add_argument("--prompts", type=int, default=32)
-    p.add_argument("--n", type=int, default=8)
-    p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.5)
-    return p.parse_args(argv)
+    p.add_argument("--prompts", type=int, help="default: the workload's")
+    p.add_argument("--n", type=int, help="default: the workload's")
+    p.add_argument("--prompt-len", type=int, help="default: the workload's")
+    p.add_argument("--max-tokens", type=int, help="default: the workload's")
+    p.add_argument("--gpu-memory-utilization", type=float, help="default: the workload's")
+    args = p.parse_args(argv)
+    from workload import workload
+
+    w = workload(args.smoke, args.model)
+    for key, value in (("model", w.model), ("prompts", w.prompts), ("n", w.n), ("prompt_len", w.prompt_len),
+                       ("max_tokens", w.max_tokens), ("gpu_memory_utilization", w.gpu_memory_utilization)):
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    return args
 
 
 def adapter_shapes(model_dir: Path) -> dict[str, tuple[int, int]]:

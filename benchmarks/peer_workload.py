@@ -4,12 +4,10 @@
     python benchmarks/peer_workload.py --arm 'mixed=' --arm 'offload_none=trainer.offload=none'
     python benchmarks/peer_workload.py --leave-gib 24 --arm 'lora_24gib=trainer.lora.rank=16 ...'   # README of benchmarks/
 
-The workload: the OLMo-2-1B shape (random weights), 32 prompts x 8 completions x 256 tokens with
-EOS ignored, prompts of 128 tokens, micro-batch 16, lr 1e-6, the engine at 0.5 of the GPU with
-CUDA graphs, 6 steps. Each arm is one run in its own process (its own engine), with the arm's
-Hydra overrides on top. Per arm it reports the medians of steps 2..6 (the first step pays for
-the pinned buffers), the peak GPU memory of the whole device (nvidia-smi every 100 ms, engine and
-trainer together, as TRL's figure was taken), and the fraction of the policy's weights that the
+The workload is benchmarks/workload.py's (`--smoke`: its CPU form). Each arm is one run in its own
+process (its own engine), with the arm's Hydra overrides on top. Per arm it reports the medians of
+steps 2.. (the first step pays for the pinned buffers), the peak GPU memory of the whole device
+(nvidia-smi every 100 ms, engine and trainer together, as TRL's figure was taken), and the fraction of the policy's weights that the
 run changed: the final checkpoint against the seeded initial weights (under LoRA: the merged
 weights the engine gets, in model.dtype). `--leave-gib N` runs every arm beside a second process
 that holds all but N GiB of the GPU (benchmarks/hold_memory.py: an emulated N GiB card); the
@@ -34,12 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing colo_rl
 
 from hold_memory import holding  # noqa: E402  (benchmarks/ is this script's own directory)
-
-WORKLOAD = ["trainer.steps=6", "trainer.prompts_per_step=32", "sampling.n=8",
-            "sampling.max_tokens=256", "sampling.ignore_eos=true", "task.toy.prompt_len=127",
-            "eval.every=0",
-            "trainer.micro_batch_size=16", "trainer.lr=1e-6", "generator.gpu_memory_utilization=0.5",
-            "generator.max_model_len=512", "logger=none", "logger.progress=false"]
+from workload import workload  # noqa: E402
 KEYS = ["timing/step_s", "timing/generate_s", "timing/train_s", "timing/generator_total_s", "timing/offload_s",
         "timing/weight_load_s", "timing/wake_s", "timing/sleep_s", "timing/restore_s", "timing/score_s",
         "rollout/tokens_per_s", "memory/trainer_peak_gib", "sync/cast_gib", "train/loss", "train/grad_norm",
@@ -54,7 +47,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--arm", action="append", default=[],
                    help="NAME=OVERRIDES (space-separated Hydra overrides on top of the workload); "
                         "default: one arm 'mixed' with colo_rl's defaults")
-    p.add_argument("--model", default="olmo2_1b_shape", help="model preset (tiny: a CPU smoke run)")
+    p.add_argument("--model", default=None, help="model preset (default: the workload's)")
+    p.add_argument("--smoke", action="store_true", help="the workload's CPU form (benchmarks/workload.py)")
     p.add_argument("--timeout-s", type=float, default=560, help="per arm")
     p.add_argument("--no-weights", action="store_true", help="skip the changed-weights fraction")
     p.add_argument("--leave-gib", type=float, default=None,
@@ -62,7 +56,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def run_arm(name: str, workload: list[str], overrides: list[str], run_dir: Path, timeout_s: float) -> dict:
+def run_arm(name: str, base: list[str], overrides: list[str], run_dir: Path, timeout_s: float) -> dict:
     """One run in its own process, with nvidia-smi sampling the device's memory meanwhile."""
     smi_log = run_dir.with_suffix(".smi.csv")
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -70,7 +64,7 @@ def run_arm(name: str, workload: list[str], overrides: list[str], run_dir: Path,
         smi = subprocess.Popen(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits",
                                 "-lms", "100"], stdout=smi_out, stderr=subprocess.DEVNULL) if has_smi() else None
     start = time.perf_counter()
-    cmd = [sys.executable, "-m", "colo_rl.run", *workload, *overrides, f"output_dir={run_dir}"]
+    cmd = [sys.executable, "-m", "colo_rl.run", *base, *overrides, f"output_dir={run_dir}"]
     metrics = run_dir / "metrics.jsonl"
     first_record_s = None  # command to the first step's record (its end), polled every 50 ms
     with open(run_dir.with_suffix(".log"), "w+") as log:
@@ -131,7 +125,7 @@ def has_smi() -> bool:
     return which("nvidia-smi") is not None
 
 
-def changed_fraction(run_dir: Path, workload: list[str], overrides: list[str]) -> dict:
+def changed_fraction(run_dir: Path, base: list[str], overrides: list[str]) -> dict:
     """The final checkpoint's policy against the seeded initial weights of the same model."""
     import torch
 
@@ -143,7 +137,7 @@ def changed_fraction(run_dir: Path, workload: list[str], overrides: list[str]) -
 
     register_configs()
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
-        cfg = validate(compose("run", overrides=[*workload, *overrides, f"output_dir={run_dir}"]))
+        cfg = validate(compose("run", overrides=[*base, *overrides, f"output_dir={run_dir}"]))
     dtype = trainer_dtype(cfg)
     # the init on the device the run built it on (a GPU's seeded init differs from the CPU's)
     init_device = resolve_device(cfg.trainer.device)
@@ -173,15 +167,15 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     arms = [a.partition("=") for a in args.arm] or [("mixed", "=", "")]
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    workload = [f"model={args.model}", *WORKLOAD]
-    results = {"workload": workload, "arms": []}
-    for name, _, overrides in arms:
+    overrides = workload(args.smoke, args.model).overrides()
+    results = {"workload": overrides, "arms": []}
+    for name, _, arm_overrides in arms:
         run_dir = (args.work_dir or args.out.parent) / f"peer_{name}"
         with holding(args.leave_gib) if args.leave_gib else nullcontext() as held:
-            arm = run_arm(name, workload, overrides.split(), run_dir, args.timeout_s)
+            arm = run_arm(name, overrides, arm_overrides.split(), run_dir, args.timeout_s)
         arm["held"] = held
         if not args.no_weights and (run_dir / "checkpoint").exists():
-            arm["weights"] = changed_fraction(run_dir, workload, overrides.split())
+            arm["weights"] = changed_fraction(run_dir, overrides, arm_overrides.split())
         results["arms"].append(arm)
         args.out.write_text(json.dumps(results, indent=1))  # a cut call still leaves the arms done
         med = arm["median_steps_2_on"]

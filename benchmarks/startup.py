@@ -79,16 +79,17 @@ def one_run(overrides: list[str], output_dir: Path) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--runs", type=int, default=2, help="runs in a row: the first cold, the rest warm")
-    p.add_argument("--peer", action="store_true", help="the 1B peer workload (benchmarks/peer_workload.py)")
-    p.add_argument("--model", default="olmo2_1b_shape", help="with --peer: the model preset")
+    p.add_argument("--peer", action="store_true", help="the peer workload (benchmarks/workload.py)")
+    p.add_argument("--smoke", action="store_true", help="with --peer: the workload's CPU form")
+    p.add_argument("--model", default=None, help="with --peer: the model preset (default: the workload's)")
     p.add_argument("--out", type=Path, help="also write the JSON here")
     p.add_argument("--work-dir", type=Path, help="keep the runs' directories here (default: a temporary one)")
     p.add_argument("overrides", nargs="*", help="Hydra overrides for every run (after --)")
     args = p.parse_args()
     overrides = ["logger.mode=offline", *args.overrides]
     if args.peer:
-        from peer_workload import WORKLOAD
-        overrides = [f"model={args.model}", *WORKLOAD, *overrides]
+        from workload import workload
+        overrides = [*workload(args.smoke, args.model).overrides(), *overrides]
     results = {"overrides": overrides, "runs": []}
     with tempfile.TemporaryDirectory(prefix="colo_rl_startup_") as tmp:
         tmp = args.work_dir or tmp

@@ -2,8 +2,8 @@
 
 Builds the trainer exactly as a run does (`load_trainer_policy`, `GRPOTrainer`, the composed
 config: precision, optimizer, micro-batch, log-prob chunking) on synthetic rollouts of the peer
-workload's shape (32 prompts x 8 completions, prompts of 128 tokens, 256-token completions, rewards
-drawn at random so every advantage is non-zero), with no engine. Times `--steps` steps after a
+workload's shape (benchmarks/workload.py; rewards drawn at random so every advantage is non-zero),
+with no engine. Times `--steps` steps after a
 warm-up, then profiles one with torch.profiler and prints its CUDA time by kernel class (matmul,
 attention, the optimizer, casts and copies, other elementwise), the top kernels, and MFU by
 colo_rl's own count (`perf/mfu`). Every number goes to --out as JSON.
@@ -26,6 +26,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 CLASSES = (  # the first pattern a kernel's name contains decides its class
     ("matmul", ("gemm", "cutlass", "sm90_xmma", "nvjet", "cublas", "matmul", "addmm", "::mm", "bmm")),
@@ -78,9 +79,9 @@ def trace_ops(prof, names: list[str], cuda: bool) -> list[dict]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--model", default="olmo2_1b_shape")
+    p.add_argument("--model", default=None, help="model preset (default: the workload's)")
     p.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up step")
-    p.add_argument("--smoke", action="store_true", help="CPU: the tiny model, 4 prompts x 2 x 16 tokens")
+    p.add_argument("--smoke", action="store_true", help="CPU: the workload's smoke form (benchmarks/workload.py)")
     p.add_argument("--per-micro-batch-casts", action="store_true",
                    help="autocast casts the weights in every micro-batch (no compute copies): the A/B")
     p.add_argument("--trace-ops", default="",
@@ -99,15 +100,14 @@ def main(argv=None) -> int:
     from colo_rl.trainer.flops import peak_tflops, perf_metrics
     from colo_rl.trainer.logprobs import _target_logprobs_eager
 
-    prompts, n, prompt_len, completion_len = (4, 2, 8, 16) if args.smoke else (32, 8, 128, 256)
-    model = "tiny" if args.smoke else args.model
+    from workload import workload
+
+    w = workload(args.smoke, args.model)
+    prompts, n, prompt_len, completion_len, model = w.prompts, w.n, w.prompt_len, w.max_tokens, w.model
     register_configs()
     work = Path(tempfile.mkdtemp(prefix="colo_rl_train_profile_"))
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
-        settings = validate(compose("run", overrides=[
-            f"model={model}", f"trainer.prompts_per_step={prompts}", f"sampling.n={n}",
-            f"sampling.max_tokens={completion_len}", "trainer.micro_batch_size=16", "trainer.lr=1e-6",
-            "logger=none", f"output_dir={work}", *args.overrides]))
+        settings = validate(compose("run", overrides=[*w.overrides(), f"output_dir={work}", *args.overrides]))
     device = resolve_device(settings.trainer.device)
     model_dir = prepare_model_dir(settings.model, work)
     torch.manual_seed(settings.trainer.seed)
