@@ -197,11 +197,39 @@ class LoraConfig:
         _check(0 <= self.dropout < 1, "trainer.lora.dropout", self.dropout, "must be in [0, 1)")
 
 
+# conf/trainer/algo/'s presets (colo_rl.trainer.algorithms.ALGORITHMS)
+ALGORITHM_PRESETS = ("grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp")
+
+
+@dataclass
+class DynamicSamplingConfig:
+    """DAPO's dynamic sampling: groups whose rewards are all equal (zero advantage, no gradient)
+    are dropped, and the step's batch is filled from further prompts generated in the same wake."""
+
+    enabled: bool = False
+    max_rounds: int = 3  # generate calls per step at most, the first included (verl's max_num_gen_batches)
+
+    def __post_init__(self) -> None:
+        _check(self.max_rounds >= 1, "trainer.dynamic_sampling.max_rounds", self.max_rounds, "must be >= 1")
+
+
 @dataclass
 class TrainerConfig:
     """GRPO: algorithm, optimisation and where the trainer state lives between phases."""
 
+    # the preset (conf/trainer/algo/) the run's keys came from: a label in the run's config
     algorithm: str = "grpo"
+    # named parts (colo_rl/trainer/algorithms.py): a built-in's short name or a module:function path
+    advantage_estimator: str = "grpo"  # grpo | rloo | reinforce_pp | module:function
+    policy_loss: str = "ppo_clip"  # ppo_clip | gspo | module:function
+    # TRL's mask_truncated_completions: completions that reached sampling.max_tokens (vLLM's
+    # finish reason "length") are left out of the loss and its normalizer
+    mask_truncated: bool = False
+    # sequences of zero advantage skip forward and backward where the loss does not need them (no
+    # KL term, a built-in policy loss, whose gradient there is 0); the normalizer stays the whole
+    # batch's, so loss and gradients are unchanged but for summation order
+    skip_zero_advantage: bool = False
+    dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
     device: str = "auto"  # auto | cuda | cpu
     steps: int = 30
     prompts_per_step: int = 8
@@ -317,7 +345,7 @@ class TrainerConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)
 
     def __post_init__(self) -> None:
-        _one_of("trainer.algorithm", self.algorithm, ("grpo",))
+        _one_of("trainer.algorithm", self.algorithm, ALGORITHM_PRESETS)
         _one_of("trainer.device", self.device, ("auto", "cuda", "cpu"))
         _one_of("trainer.advantage_norm", self.advantage_norm, ("mean", "std"))
         _one_of("trainer.loss_agg", self.loss_agg, ("token", "sequence", "constant"))
@@ -574,6 +602,7 @@ def validate(cfg: DictConfig | RunConfig) -> RunConfig:
     if t.device == "cpu" and g.weight_sync == "cuda_ipc":
         raise ConfigError("generator.weight_sync=cuda_ipc shares the trainer's GPU tensors but "
                           "trainer.device=cpu: use generator.weight_sync=file")
+    _check_algorithm(settings)
     _check_precision(settings)
     for key, requested in (("trainer.device", t.device), ("generator.device", g.device)):
         if requested == "cuda" and resolve_device("auto") != "cuda":
@@ -622,6 +651,30 @@ def logprob_recompute(t: "TrainerConfig") -> bool:
 def trainer_dtype(settings: RunConfig) -> str:
     """The dtype of the trainer's parameters and optimizer state."""
     return "float32" if trainer_precision(settings) == "mixed" else settings.model.dtype
+
+
+def _check_algorithm(settings: RunConfig) -> None:
+    """The named parts import, and the features that need a whole batch in one process have it."""
+    from colo_rl.trainer.algorithms import POLICY_LOSSES, load_estimator, load_policy_loss  # they import this module
+
+    t = settings.trainer
+    load_estimator(t.advantage_estimator)
+    load_policy_loss(t.policy_loss)
+    if t.parallel != "none":
+        _check(t.advantage_estimator != "reinforce_pp", "trainer.advantage_estimator", t.advantage_estimator,
+               f"whitens over the whole batch, which trainer.parallel={t.parallel} splits across ranks: "
+               "use grpo or rloo, or trainer.parallel=none")
+        _check(not t.dynamic_sampling.enabled, "trainer.dynamic_sampling.enabled", True,
+               f"is not supported with trainer.parallel={t.parallel} yet (each rank would keep a different "
+               "number of groups): set it false or trainer.parallel=none")
+    if t.skip_zero_advantage:
+        _check(t.kl_coef == 0, "trainer.skip_zero_advantage", True,
+               f"cannot skip sequences with trainer.kl_coef={t.kl_coef}: their KL term has a gradient; "
+               "set trainer.skip_zero_advantage=false or trainer.kl_coef=0")
+        _check(t.policy_loss in POLICY_LOSSES, "trainer.skip_zero_advantage", True,
+               f"needs a built-in trainer.policy_loss ({', '.join(POLICY_LOSSES)}), whose gradient at zero "
+               f"advantage is known to be 0; {t.policy_loss!r} may need those sequences: set "
+               "trainer.skip_zero_advantage=false")
 
 
 def _check_precision(settings: RunConfig) -> None:

@@ -89,13 +89,15 @@ class RewardFunction:
     fn: Callable
 
 
-def load_function(path: str, key: str = "task.rewards") -> Callable:
-    """The callable named by `module:function` (or a BUILTIN short name); ConfigError otherwise."""
-    target = BUILTIN.get(path, path)
+def load_function(path: str, key: str = "task.rewards", builtin: dict[str, str] | None = None) -> Callable:
+    """The callable named by `module:function` or by a short name of `builtin` (default: the
+    reward functions' BUILTIN); ConfigError naming `key` otherwise."""
+    builtin = BUILTIN if builtin is None else builtin
+    target = builtin.get(path, path)
     module_name, sep, attr = target.partition(":")
     if not sep or not module_name or not attr:
         raise ConfigError(f"{key}: {path!r} is not an import path: write module:function "
-                          f"(e.g. my_rewards:correct) or one of the built-ins {', '.join(BUILTIN)}")
+                          f"(e.g. my_module:my_function) or one of the built-ins {', '.join(builtin)}")
     # `python -m colo_rl.run` from the user's directory must find the module next to them
     cwd = os.getcwd()
     if cwd not in sys.path:

@@ -643,7 +643,8 @@ def train_one_step(step: int, settings: RunConfig, task: Task, trainer: GRPOTrai
     with guard.deferred():  # an interrupt waits until this step is applied and logged
         with timer.phase("train"):
             train_metrics = trainer.train_step(batch.prompt_ids, rollouts.completion_ids, rewards, s.n,
-                                               engine_logprobs=rollouts.logprobs)
+                                               engine_logprobs=rollouts.logprobs,
+                                               truncated=[r == "length" for r in rollouts.finish_reasons])
         metrics = {**rollouts.metrics, **timer.metrics, **train_metrics, **switch.offloader.background_stats(),
                    "train/trainable_params": float(trainer.trainable_params)}
         metrics.update(perf_metrics(trainer.last_step_flops, timer.metrics["timing/train_s"],

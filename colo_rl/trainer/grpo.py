@@ -21,6 +21,7 @@ import torch
 import torch.utils.checkpoint
 
 from colo_rl.config import TrainerConfig, logprob_recompute, micro_batch_size, weight_copies
+from colo_rl.trainer.algorithms import load_estimator, load_policy_loss, ppo_clip
 from colo_rl.trainer.flops import ModelShape, step_flops
 from colo_rl.trainer.head import EAGER, accumulate_matmul, compiled_ops, fusable, head_logprobs, logprob_stats
 from colo_rl.trainer.kernels import apply_liger, compile_layers, decoder_layers, resolve_kernels
@@ -109,7 +110,8 @@ def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: to
               mask: torch.Tensor, *, clip_eps: float, loss_agg: str, max_tokens: int,
               clip_eps_high: Optional[float] = None, ref_logprobs: Optional[torch.Tensor] = None,
               kl_coef: float = 0.0, tis_weights: Optional[torch.Tensor] = None,
-              normalizer: Optional[float] = None, sync: bool = True) -> tuple[torch.Tensor, dict]:
+              normalizer: Optional[float] = None, sync: bool = True,
+              policy_loss=ppo_clip) -> tuple[torch.Tensor, dict]:
     """The token-level clipped policy-gradient loss, with an optional k3 KL penalty to a reference.
 
     logprobs, old_logprobs, ref_logprobs, tis_weights, mask: (B, T) over response tokens, mask 1
@@ -122,7 +124,8 @@ def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: to
     sequences) or 'constant' (sum / (B * max_tokens), Dr. GRPO). `normalizer` overrides the
     denominator: the trainer passes the full batch's so that micro-batch losses add up to the
     full-batch loss. Padded positions never reach an exp, so any value there (an overflowing
-    log-prob gap included) leaves the loss and its gradient unchanged.
+    log-prob gap included) leaves the loss and its gradient unchanged. `policy_loss` makes the
+    per-token term and its clip flags (colo_rl/trainer/algorithms.py: ppo_clip, gspo, a user's).
     Returns (loss, stats) with stats clip_frac (tokens where either clip bound is active) and
     kl (means over masked tokens) and tokens: Python floats, or with sync=False 0-d tensors on the
     loss's device, so that a caller summing micro-batches waits for the GPU once, not per call.
@@ -135,13 +138,9 @@ def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: to
         raise ValueError(f"kl_coef={kl_coef} needs ref_logprobs: pass the reference policy's log-probs")
     real = mask.bool()
     mask = mask.to(logprobs.dtype)
-    # exp of a padded position's gap can be inf, and inf * 0 is NaN: zero the gap first.
-    ratio = torch.exp(torch.where(real, logprobs - old_logprobs, 0.0))
-    adv = advantages.to(logprobs.dtype).unsqueeze(1)
     high = clip_eps if clip_eps_high is None else clip_eps_high
-    unclipped = -adv * ratio
-    clipped = -adv * ratio.clamp(1 - clip_eps, 1 + high)
-    per_token = torch.maximum(unclipped, clipped)
+    per_token, clip_active = policy_loss(logprobs, old_logprobs, advantages.to(logprobs.dtype), real,
+                                         clip_low=clip_eps, clip_high=high)
     if tis_weights is not None:
         per_token = per_token * torch.where(real, tis_weights.detach(), 0.0)
     kl = torch.zeros_like(per_token)
@@ -160,9 +159,7 @@ def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: to
     with torch.no_grad():
         tokens = lengths.sum()
         denominator = tokens.clamp(min=1.0)
-        # the clipped term is the larger one exactly where a bound stops the gradient: below
-        # 1 - clip_eps with a negative advantage, above 1 + clip_eps_high with a positive one
-        stats = {"clip_frac": ((clipped > unclipped) * mask).sum() / denominator,
+        stats = {"clip_frac": (clip_active * mask).sum() / denominator,
                  "kl": (kl * mask).sum() / denominator, "tokens": tokens}
     if sync:
         stats = {key: float(value) for key, value in stats.items()}
@@ -210,6 +207,27 @@ def _pack(prompts: list[list[int]], completions: list[list[int]], advantages: to
                        mask.to(device), advantages.to(device),
                        engine_logprobs.to(device) if engine_logprobs is not None else None,
                        rows.to(device), cols.to(device))
+
+
+def _masked_truncated(cfg: TrainerConfig, truncated: Optional[list[bool]], count: int) -> Optional[torch.Tensor]:
+    """(N,) bool of the completions trainer.mask_truncated leaves out of the loss; None when it is off."""
+    if not cfg.mask_truncated:
+        return None
+    if truncated is None or len(truncated) != count:
+        raise ValueError(f"trainer.mask_truncated=true needs one truncated flag per completion ({count}); "
+                         f"got {None if truncated is None else len(truncated)}")
+    return torch.tensor(truncated, dtype=torch.bool)
+
+
+def _trained_sequences(cfg: TrainerConfig, advantages: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Indices of the sequences that go through forward and backward: all of them, or with
+    trainer.skip_zero_advantage those whose advantage is not 0 and that have loss tokens (the
+    others add exactly 0 to the loss and the gradient). At least one, so that the optimizer steps
+    on a whole zero gradient as it would without skipping (AdamW skips a parameter without one)."""
+    if not cfg.skip_zero_advantage:
+        return torch.arange(advantages.numel())
+    trained = ((advantages != 0) & (lengths > 0)).nonzero().reshape(-1)
+    return trained if trained.numel() else torch.arange(1)
 
 
 def _check_batch(prompt_ids: list[list[int]], completion_ids: list[list[int]], rewards: list[float],
@@ -271,6 +289,8 @@ class GRPOTrainer:
             compile_layers(model)
         self.forward_model = _wrap(model, self.parallel, device)  # what runs forward/backward
         self.cfg = cfg
+        self.estimator = load_estimator(cfg.advantage_estimator)  # trainer.advantage_estimator
+        self.policy_loss = load_policy_loss(cfg.policy_loss)  # trainer.policy_loss
         self.pad_token_id = pad_token_id
         self.temperature = temperature
         self.max_tokens = max_tokens
@@ -300,12 +320,15 @@ class GRPOTrainer:
 
     def train_step(self, prompt_ids: list[list[int]], completion_ids: list[list[int]],
                    rewards: list[float], group_size: int,
-                   engine_logprobs: Optional[list[list[float]]] = None) -> dict[str, float]:
+                   engine_logprobs: Optional[list[list[float]]] = None,
+                   truncated: Optional[list[bool]] = None) -> dict[str, float]:
         """One GRPO step on a batch of groups; returns its train/* metrics.
 
         prompt_ids has one entry per prompt; completion_ids num_prompts * group_size entries,
         prompt i's group at [i*G:(i+1)*G]. Runs cfg.updates_per_batch optimizer steps, each
         accumulating micro-batches of cfg.micro_batch_size sequences into the full-batch gradient.
+        `truncated`: which completions reached sampling.max_tokens (trainer.mask_truncated leaves
+        them out of the loss).
         """
         _check_batch(prompt_ids, completion_ids, rewards, group_size, engine_logprobs)
         if self.cfg.tis_cap is not None and engine_logprobs is None:
@@ -314,7 +337,7 @@ class GRPOTrainer:
         lr = self._set_lr()
         self._optimizer_touched = False
         try:
-            return self._train_step(prompt_ids, completion_ids, rewards, group_size, engine_logprobs, lr)
+            return self._train_step(prompt_ids, completion_ids, rewards, group_size, engine_logprobs, lr, truncated)
         except torch.OutOfMemoryError as exc:
             intact = not self._optimizer_touched
             if intact:  # only gradients and activations were touched: drop them
@@ -328,12 +351,20 @@ class GRPOTrainer:
                 "resume from the checkpoint" + ("" if intact else " written before this step"),
                 state_intact=intact) from exc
 
-    def _train_step(self, prompt_ids, completion_ids, rewards, group_size, engine_logprobs, lr) -> dict[str, float]:
-        advantages = group_advantages(torch.tensor(rewards, dtype=torch.float64), group_size,
-                                      self.cfg.advantage_norm, std=self.cfg.advantage_std)
-        micro = self._micro_batches([p for p in prompt_ids for _ in range(group_size)],
-                                    completion_ids, advantages, engine_logprobs)
+    def _train_step(self, prompt_ids, completion_ids, rewards, group_size, engine_logprobs, lr,
+                     truncated) -> dict[str, float]:
         lengths = torch.tensor([len(c) for c in completion_ids])
+        masked = _masked_truncated(self.cfg, truncated, len(completion_ids))
+        if masked is not None:  # left out of the loss: no tokens of theirs count
+            lengths = torch.where(masked, 0, lengths)
+        advantages = self.estimator(torch.tensor(rewards, dtype=torch.float64), group_size,
+                                    lengths=lengths, cfg=self.cfg)
+        prompts = [p for p in prompt_ids for _ in range(group_size)]
+        trained = _trained_sequences(self.cfg, advantages, lengths)
+        micro = self._micro_batches([prompts[i] for i in trained], [completion_ids[i] for i in trained],
+                                    advantages[trained] if len(trained) < len(prompts) else advantages,
+                                    [engine_logprobs[i] for i in trained] if engine_logprobs is not None else None,
+                                    keep=None if masked is None else ~masked[trained])
         normalizer = self._global_normalizer(lengths)
         # the reference computes as the policy does (with the same weight copies)
         with compute_copies(self.reference, self.autocast_dtype, self.copies):
@@ -347,8 +378,8 @@ class GRPOTrainer:
             updates.append(stats)
             if stats["skipped"]:  # the next update would start from the same state
                 break
-        self.last_step_flops = step_flops(self.shape, [len(p) for p in prompt_ids for _ in range(group_size)],
-                                          [len(c) for c in completion_ids], updates=len(updates),
+        self.last_step_flops = step_flops(self.shape, [len(prompts[i]) for i in trained],
+                                          [len(completion_ids[i]) for i in trained], updates=len(updates),
                                           reference_forward=self.cfg.kl_coef > 0)
         skipped = updates[-1]["skipped"]
         self.nonfinite_in_a_row = self.nonfinite_in_a_row + 1 if skipped else 0
@@ -361,6 +392,10 @@ class GRPOTrainer:
         metrics["train/lr"] = lr
         metrics["train/response_tokens"] = float(lengths.sum())
         metrics["train/advantage_abs_mean"] = float(advantages.abs().mean())
+        if masked is not None:
+            metrics["train/truncated_masked"] = float(masked.sum())
+        if self.cfg.skip_zero_advantage:
+            metrics["train/sequences_skipped"] = float(len(prompts) - len(trained))
         if engine_logprobs is not None:
             metrics["train/engine_logprob_gap"] = _logprob_gap(micro, old)
         if self.cfg.tis_cap is not None:
@@ -394,20 +429,26 @@ class GRPOTrainer:
             total = p.all_sum(float(lengths.numel())) * self.max_tokens
         return total / p.world_size
 
-    def _micro_batches(self, prompts, completions, advantages, engine) -> list[_MicroBatch]:
+    def _micro_batches(self, prompts, completions, advantages, engine, keep=None) -> list[_MicroBatch]:
         """Micro-batches of cfg.micro_batch_size sequences. With cfg.sort_by_length the sequences go
         in order of length first, so each micro-batch pads to a length near its own: the loss and
         gradient are sums over sequences with the global batch's normalizer, so the grouping
-        changes them only by floating-point summation order."""
+        changes them only by floating-point summation order. `keep` (bool per sequence): False
+        masks the whole sequence out of the loss."""
         size = micro_batch_size(self.cfg)
         if self.cfg.sort_by_length and size < len(completions):
             order = sorted(range(len(completions)), key=lambda i: len(prompts[i]) + len(completions[i]))
             prompts, completions = [prompts[i] for i in order], [completions[i] for i in order]
             advantages = advantages[torch.tensor(order)]
             engine = [engine[i] for i in order] if engine is not None else None
-        return [_pack(prompts[i:i + size], completions[i:i + size], advantages[i:i + size],
-                      engine[i:i + size] if engine is not None else None, self.pad_token_id, self.device)
-                for i in range(0, len(completions), size)]
+            keep = keep[torch.tensor(order)] if keep is not None else None
+        micro = [_pack(prompts[i:i + size], completions[i:i + size], advantages[i:i + size],
+                       engine[i:i + size] if engine is not None else None, self.pad_token_id, self.device)
+                 for i in range(0, len(completions), size)]
+        if keep is not None:
+            for i, mb in enumerate(micro):
+                mb.mask *= keep[i * size:(i + 1) * size].to(mb.mask).unsqueeze(1)
+        return micro
 
     def _update(self, micro: list[_MicroBatch], old: Optional[list[torch.Tensor]],
                 ref: list[Optional[torch.Tensor]], normalizer: float) -> tuple[dict, list[torch.Tensor]]:
