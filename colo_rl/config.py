@@ -457,6 +457,10 @@ class TaskConfig:
     # the GRPO reward
     rewards: list[str] = field(default_factory=lambda: ["target_char"])
     reward_weights: list[float] = field(default_factory=list)  # one per reward; empty: all 1
+    # DAPO's soft overlong punishment (the built-in reward `overlong`, added to task.rewards when > 0):
+    # the last this share of sampling.max_tokens costs up to task.overlong_penalty (DAPO: 0.2, 1.0)
+    overlong_buffer: float = 0.0
+    overlong_penalty: float = 1.0
     # longer prompts are skipped (counted and logged); null: generator.max_model_len - sampling.max_tokens
     max_prompt_tokens: Optional[int] = None
     seed: int = 0  # the order prompts are drawn in (shuffled epochs), and the toys' rows
@@ -467,6 +471,8 @@ class TaskConfig:
         _one_of("task.kind", self.kind, ("target_char", "copy", "dataset"))
         _check(len(self.rewards) >= 1, "task.rewards", self.rewards,
                "must name at least one reward function (module:function)")
+        _check(0 <= self.overlong_buffer <= 1, "task.overlong_buffer", self.overlong_buffer,
+               "must be in [0, 1] (a share of sampling.max_tokens; 0: off)")
         _check(not self.reward_weights or len(self.reward_weights) == len(self.rewards),
                "task.reward_weights", self.reward_weights,
                f"must give one weight per task.rewards entry ({len(self.rewards)}), or be empty")

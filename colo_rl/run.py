@@ -576,7 +576,8 @@ def evaluation_metrics(task: Task, batch: Batch, rollouts: Rollouts, settings: R
     """eval/*: the held-out prompts' mean reward (and each function's), the share of prompts
     with a completion reaching eval.pass_reward (pass@n), and the completions' mean length."""
     e = settings.eval
-    totals, values = task.score(batch, rollouts.texts, e.n, f"at step {step} (evaluation)")
+    totals, values = task.score(batch, rollouts.texts, e.n, f"at step {step} (evaluation)",
+                                rollouts.completion_ids)
     lengths = [len(ids) for ids in rollouts.completion_ids]
     passed = [max(totals[i:i + e.n]) >= e.pass_reward for i in range(0, len(totals), e.n)]
     gathered = par.gather((totals, values, lengths, passed))
@@ -635,7 +636,7 @@ def train_one_step(step: int, settings: RunConfig, task: Task, trainer: GRPOTrai
                                eval_batch=(eval_batch.prompt_ids, eval_sampling(settings)) if evaluating else None)
     logger.phase("train")
     with timer.phase("score"):
-        rewards, values = task.score(batch, rollouts.texts, s.n, f"at step {step}")
+        rewards, values = task.score(batch, rollouts.texts, s.n, f"at step {step}", rollouts.completion_ids)
         eval_metrics = (evaluation_metrics(task, eval_batch, rollouts.evaluation, settings, step, par)
                         if evaluating else {})
     if torch.cuda.is_available():
