@@ -35,6 +35,7 @@ from omegaconf import DictConfig, OmegaConf
 from colo_rl.cli import boundary, run_cli
 from colo_rl.config import (ConfigError, RunConfig, SamplingConfig, package_dir, register_configs,
                             resolve_device, trainer_precision, validate)
+from colo_rl.dynamic_sampling import dynamic_sampler
 from colo_rl.export import export_checkpoint
 from colo_rl.generator import Rollouts, VLLMGenerator
 from colo_rl.generator.client import shared_model_dir, vllm_cache_root
@@ -51,7 +52,7 @@ from colo_rl.trainer import (CheckpointError, GRPOTrainer, Offloader, TrainingDi
                              save_checkpoint)
 from colo_rl.trainer.checkpoint import BackgroundWriter, check_compatible, verify_checkpoint
 from colo_rl.trainer.flops import peak_tflops, perf_metrics
-from colo_rl.trainer.grpo import group_advantages
+from colo_rl.trainer.algorithms import load_estimator
 from colo_rl.trainer.kernels import check_kernels
 
 log = logging.getLogger("colo_rl")
@@ -604,12 +605,13 @@ def final_evaluation(step: int, settings: RunConfig, task: Task, switch: Switch,
 
 
 def sample_rows(step: int, batch: Batch, texts: list[str], rewards: list[float],
-                values: dict[str, list], settings: RunConfig) -> list[dict]:
+                values: dict[str, list], settings: RunConfig, completion_ids: list[list[int]]) -> list[dict]:
     """The first logger.log_completions completions of the step, each with its prompt, every
-    reward function's value, the weighted reward and the GRPO advantage."""
+    reward function's value, the weighted reward and its advantage (trainer.advantage_estimator)."""
     n, count = settings.sampling.n, settings.logger.log_completions
-    advantages = group_advantages(torch.tensor(rewards, dtype=torch.float64), n,
-                                  settings.trainer.advantage_norm, std=settings.trainer.advantage_std).tolist()
+    estimator = load_estimator(settings.trainer.advantage_estimator)
+    advantages = estimator(torch.tensor(rewards, dtype=torch.float64), n,
+                           lengths=torch.tensor([len(c) for c in completion_ids]), cfg=settings.trainer).tolist()
     prompts, _ = batch.repeated(n)
     return [{"step": step, "prompt": prompts[i], "completion": texts[i], "reward": rewards[i],
              "rewards": {name: vals[i] for name, vals in values.items()},
@@ -632,11 +634,17 @@ def train_one_step(step: int, settings: RunConfig, task: Task, trainer: GRPOTrai
     evaluating = task.held_out is not None and step % e.every == 0
     eval_batch = _eval_shard(task, par) if evaluating else None
     logger.phase("generate")
+    sampler = dynamic_sampler(settings, task, batch, step)  # None unless trainer.dynamic_sampling.enabled
     rollouts = switch.generate(batch.prompt_ids, step_sampling(settings, step), seed=seed, step=step,
-                               eval_batch=(eval_batch.prompt_ids, eval_sampling(settings)) if evaluating else None)
+                               eval_batch=(eval_batch.prompt_ids, eval_sampling(settings)) if evaluating else None,
+                               refill=sampler)
     logger.phase("train")
     with timer.phase("score"):
-        rewards, values = task.score(batch, rollouts.texts, s.n, f"at step {step}", rollouts.completion_ids)
+        if sampler is None:
+            rewards, values = task.score(batch, rollouts.texts, s.n, f"at step {step}", rollouts.completion_ids)
+        else:  # scored in the wake: the groups with a spread, from every round
+            batch, rollouts, rewards, values, sampled = sampler.result(rollouts)
+            rollouts.metrics.update(sampled)
         eval_metrics = (evaluation_metrics(task, eval_batch, rollouts.evaluation, settings, step, par)
                         if evaluating else {})
     if torch.cuda.is_available():
@@ -670,7 +678,8 @@ def train_one_step(step: int, settings: RunConfig, task: Task, trainer: GRPOTrai
         metrics.update(eval_metrics)
         logger.log(step, metrics)
         if settings.logger.log_completions:
-            logger.log_samples(sample_rows(step, batch, rollouts.texts, rewards, values, settings))
+            logger.log_samples(sample_rows(step, batch, rollouts.texts, rewards, values, settings,
+                                          rollouts.completion_ids))
         done.update(step=step + 1, sampler=task.sampler.state())
     limit = settings.trainer.max_nonfinite_steps
     if trainer.nonfinite_in_a_row >= limit:
