@@ -550,11 +550,15 @@ def package_dir(name: str) -> Path:
 
 
 def register_configs() -> None:
-    """Put the schema into Hydra's ConfigStore and the `colo_rl.dir` resolver (which
-    conf/run.yaml's search path uses) into OmegaConf (idempotent)."""
+    """Put the schema into Hydra's ConfigStore and into OmegaConf the resolvers `colo_rl.dir` (which
+    conf/run.yaml's search path uses) and `colo_rl.flat` (conf/hydra's sweep subdir); idempotent."""
     ConfigStore.instance().store(name="colo_rl_schema", node=RunConfig)
     if not OmegaConf.has_resolver("colo_rl.dir"):
         OmegaConf.register_new_resolver("colo_rl.dir", lambda name: package_dir(name).as_uri())
+    if not OmegaConf.has_resolver("colo_rl.flat"):
+        # a sweep job's directory name from its overrides: a group override (trainer/algo=gspo)
+        # would otherwise nest it in a directory named after the overrides before the slash
+        OmegaConf.register_new_resolver("colo_rl.flat", lambda text: text.replace("/", "."))
 
 
 def validate(cfg: DictConfig | RunConfig) -> RunConfig:
