@@ -1,4 +1,4 @@
-"""The expected values of tests/trainer/test_algorithms.py, computed with verl's own code.
+"""The expected values of tests/trainer/test_algorithms.py, computed with verl's and TRL's own code.
 
 verl 0.9.1 (PyPI wheel verl-0.9.1-py3-none-any.whl), verl/trainer/ppo/core_algos.py:
 compute_grpo_outcome_advantage, compute_rloo_outcome_advantage,
@@ -10,6 +10,11 @@ whole, so its files are read from the unpacked wheel with the few modules core_a
     pip download verl==0.9.1 --no-deps -d /tmp/verl && unzip -q /tmp/verl/verl-*.whl -d /tmp/verl/site
     pip install --target /tmp/verl/deps --no-deps tensordict pyvers codetiming orjson ray msgpack
     PYTHONPATH=/tmp/verl/deps python tests/trainer/algorithms_reference.py /tmp/verl/site
+
+TRL 1.16.0 (`pip install 'colo_rl[bench]'`), trl/trainer/grpo_trainer.py GRPOTrainer._compute_loss:
+its loss arithmetic after the policy's forward, run on the same log-probs (the object it is
+called on holds only what that arithmetic reads; `_get_per_token_logps_and_entropies` returns
+the case's log-probs in place of a model's forward).
 
 It prints the values that test_algorithms.py pins (float64 inputs, printed with repr).
 """
@@ -104,7 +109,43 @@ def losses(core_algos, ActorConfig) -> dict[str, tuple[float, float, float]]:
     return out
 
 
+def trl_losses() -> dict[str, tuple[float, float, float]]:
+    """{case: (loss, probe . d loss / d logprobs, clip_ratio/region_mean)} of TRL's GRPO loss."""
+    from collections import defaultdict
+    from types import SimpleNamespace
+
+    from trl.trainer.grpo_trainer import GRPOTrainer
+
+    cases = {"ppo_clip_token": ("dapo", "token", CLIP_LOW, CLIP_HIGH),
+             "ppo_clip_sequence": ("grpo", "token", CLIP_LOW, CLIP_HIGH),
+             "ppo_clip_constant": ("dr_grpo", "token", CLIP_LOW, CLIP_HIGH),
+             "gspo_sequence": ("grpo", "sequence", GSPO_CLIP_LOW, GSPO_CLIP_HIGH),
+             "gspo_sequence_wide": ("grpo", "sequence", CLIP_LOW, CLIP_HIGH)}
+    out = {}
+    for name, (loss_type, level, low, high) in cases.items():
+        logprobs, old, advantages, mask = policy_case()
+        logprobs.requires_grad_(True)
+        accelerator = SimpleNamespace(reduce=lambda t, reduction: t, gather=lambda t: t, num_processes=1,
+                                      gather_for_metrics=lambda t: t, sync_gradients=True)
+        trainer = SimpleNamespace(
+            _get_per_token_logps_and_entropies=lambda *a, **k: (logprobs, torch.zeros_like(logprobs), None),
+            top_entropy_quantile=1.0, off_policy_mask_threshold=None, importance_sampling_level=level, beta=0.0,
+            loss_type=loss_type, epsilon_low=low, epsilon_high=high, use_vllm=False,
+            args=SimpleNamespace(delta=None, steps_per_generation=1), model=SimpleNamespace(training=True),
+            current_gradient_accumulation_steps=1, max_completion_length=MAX_TOKENS, _entropy_bonus_enabled=False,
+            aux_loss_enabled=False, accelerator=accelerator, _metrics=defaultdict(lambda: defaultdict(list)))
+        inputs = {"prompt_ids": torch.ones(8, 1, dtype=torch.long), "prompt_mask": torch.ones(8, 1),
+                  "completion_ids": torch.ones(8, MAX_TOKENS, dtype=torch.long), "completion_mask": mask,
+                  "advantages": advantages, "old_per_token_logps": old, "num_items_in_batch": mask.sum()}
+        loss = GRPOTrainer._compute_loss(trainer, None, inputs)
+        loss.backward()
+        out[name] = (loss.item(), (logprobs.grad * probe()).sum().item(),
+                     trainer._metrics["train"]["clip_ratio/region_mean"][0])
+    return out
+
+
 if __name__ == "__main__":
     core_algos, AlgoConfig, ActorConfig = _verl(sys.argv[1])
     print("ESTIMATORS =", repr(estimators(core_algos, AlgoConfig)))
     print("LOSSES =", repr(losses(core_algos, ActorConfig)))
+    print("TRL_LOSSES =", repr(trl_losses()))

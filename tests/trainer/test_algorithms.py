@@ -2,7 +2,8 @@
 options that leave sequences out (trainer.skip_zero_advantage, trainer.mask_truncated).
 
 The expected values were computed by tests/trainer/algorithms_reference.py with verl 0.9.1's
-verl/trainer/ppo/core_algos.py (the functions named on each value) on the same inputs.
+verl/trainer/ppo/core_algos.py and TRL 1.16.0's trl/trainer/grpo_trainer.py (the functions named
+on each value) on the same inputs.
 """
 
 import sys
@@ -47,6 +48,20 @@ LOSSES = {
 }
 
 
+# TRL 1.16.0, trl/trainer/grpo_trainer.py GRPOTrainer._compute_loss on the same log-probs:
+# (loss, probe . d loss / d logprobs, clip_ratio/region_mean or None where TRL counts sequences)
+TRL_LOSSES = {
+    # loss_type dapo (token mean) / grpo (sequence mean of token means) / dr_grpo (sum / (B x
+    # max_completion_length)), importance_sampling_level="token", epsilon_low 0.2, epsilon_high 0.28
+    ("ppo_clip", "token", CLIP_LOW, CLIP_HIGH): (-0.2616591396065507, -0.2372812386553499, 0.19047619047619047),
+    ("ppo_clip", "sequence", CLIP_LOW, CLIP_HIGH): (0.00827931669042678, 0.24338587814388998, 0.19047619047619047),
+    ("ppo_clip", "constant", CLIP_LOW, CLIP_HIGH): (-0.11447587357786593, -0.10381054191171551, 0.19047619047619047),
+    # GSPO: importance_sampling_level="sequence", loss_type grpo (its clip ratio is per sequence)
+    ("gspo", "sequence", GSPO_CLIP_LOW, GSPO_CLIP_HIGH): (0.053667401549576194, 0.059308191578712185, None),
+    ("gspo", "sequence", CLIP_LOW, CLIP_HIGH): (0.0034436494070045898, 0.2992442860755242, None),
+}
+
+
 @pytest.mark.parametrize("name, norm", list(ESTIMATORS))
 def test_each_estimator_matches_verl(name, norm):
     estimator = load_estimator(name)
@@ -56,17 +71,19 @@ def test_each_estimator_matches_verl(name, norm):
                                rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("name, agg, low, high", list(LOSSES))
-def test_each_policy_loss_matches_verl(name, agg, low, high):
+@pytest.mark.parametrize("peer, case", [("verl", case) for case in LOSSES] + [("trl", case) for case in TRL_LOSSES])
+def test_each_policy_loss_matches_verl_and_trl(peer, case):
+    name, agg, low, high = case
     logprobs, old, advantages, mask = policy_case()
     logprobs.requires_grad_(True)
     loss, stats = grpo_loss(logprobs, old, advantages, mask, clip_eps=low, clip_eps_high=high, loss_agg=agg,
                             max_tokens=MAX_TOKENS, policy_loss=load_policy_loss(name))
     loss.backward()
-    expected_loss, expected_probe, expected_clip = LOSSES[name, agg, low, high]
+    expected_loss, expected_probe, expected_clip = (LOSSES if peer == "verl" else TRL_LOSSES)[case]
     assert loss.item() == pytest.approx(expected_loss, abs=1e-6)
     assert (logprobs.grad * probe()).sum().item() == pytest.approx(expected_probe, abs=1e-6)
-    assert stats["clip_frac"] == pytest.approx(expected_clip, abs=1e-6)
+    if expected_clip is not None:
+        assert stats["clip_frac"] == pytest.approx(expected_clip, abs=1e-6)
 
 
 def test_gspo_on_one_token_sequences_is_ppo_clip():
