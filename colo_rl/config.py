@@ -674,6 +674,9 @@ def _check_algorithm(settings: RunConfig) -> None:
         _check(t.advantage_estimator != "reinforce_pp", "trainer.advantage_estimator", t.advantage_estimator,
                f"whitens over the whole batch, which trainer.parallel={t.parallel} splits across ranks: "
                "use grpo or rloo, or trainer.parallel=none")
+        _check(t.parallel != "fsdp" or not t.skip_zero_advantage, "trainer.skip_zero_advantage", True,
+               "is not supported with trainer.parallel=fsdp (the ranks' forward counts would differ, and "
+               "each sharded forward needs all of them): set it false or use trainer.parallel=ddp")
         _check(not t.dynamic_sampling.enabled, "trainer.dynamic_sampling.enabled", True,
                f"is not supported with trainer.parallel={t.parallel} yet (each rank would keep a different "
                "number of groups): set it false or trainer.parallel=none")

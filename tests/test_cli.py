@@ -77,6 +77,10 @@ COMPOSE_ERRORS = {
     "dynamic_sampling_rounds": (["trainer/algo=dapo", "trainer.dynamic_sampling.max_rounds=0"],
                                 "trainer.dynamic_sampling.max_rounds=0 must be >= 1"),
     "overlong_buffer_range": (["task.overlong_buffer=2"], "task.overlong_buffer=2.0 must be in [0, 1]"),
+    "skip_zero_advantage_under_fsdp": (["trainer.skip_zero_advantage=true", "trainer.parallel=fsdp"],
+                                       "trainer.skip_zero_advantage=True is not supported with trainer.parallel=fsdp"),
+    "reinforce_pp_under_ddp": (["trainer/algo=reinforce_pp", "trainer.parallel=ddp"],
+                               "trainer.advantage_estimator='reinforce_pp' whitens over the whole batch"),
     "skip_zero_advantage_with_kl": (["trainer.skip_zero_advantage=true", "trainer.kl_coef=0.1"],
                                     "trainer.skip_zero_advantage=True cannot skip sequences with trainer.kl_coef=0.1"),
 }
