@@ -225,11 +225,39 @@ class LoraConfig(Freezable):
         _check(0 <= self.dropout < 1, "trainer.lora.dropout", self.dropout, "must be in [0, 1)")
 
 
+# conf/trainer/algo/'s presets (colo_rl.trainer.algorithms.ALGORITHMS)
+ALGORITHM_PRESETS = ("grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp")
+
+
+@dataclass
+class DynamicSamplingConfig(Freezable):
+    """DAPO's dynamic sampling: groups whose rewards are all equal (zero advantage, no gradient)
+    are dropped, and the step's batch is filled from further prompts generated in the same wake."""
+
+    enabled: bool = False
+    max_rounds: int = 3  # generate calls per step at most, the first included (verl's max_num_gen_batches)
+
+    def __post_init__(self) -> None:
+        _check(self.max_rounds >= 1, "trainer.dynamic_sampling.max_rounds", self.max_rounds, "must be >= 1")
+
+
 @dataclass
 class TrainerConfig(Freezable):
     """GRPO: algorithm, optimisation and where the trainer state lives between phases."""
 
+    # the preset (conf/trainer/algo/) the run's keys came from: a label in the run's config
     algorithm: str = "grpo"
+    # named parts (colo_rl/trainer/algorithms.py): a built-in's short name or a module:function path
+    advantage_estimator: str = "grpo"  # grpo | rloo | reinforce_pp | module:function
+    policy_loss: str = "ppo_clip"  # ppo_clip | gspo | module:function
+    # TRL's mask_truncated_completions: completions that reached sampling.max_tokens (vLLM's
+    # finish reason "length") are left out of the loss and its normalizer
+    mask_truncated: bool = False
+    # sequences of zero advantage skip forward and backward where the loss does not need them (no
+    # KL term, a built-in policy loss, whose gradient there is 0); the normalizer stays the whole
+    # batch's, so loss and gradients are unchanged but for summation order
+    skip_zero_advantage: bool = False
+    dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
     device: str = "auto"  # auto | cuda | cpu
     steps: int = 30
     prompts_per_step: int = 8
@@ -345,7 +373,7 @@ class TrainerConfig(Freezable):
     lora: LoraConfig = field(default_factory=LoraConfig)
 
     def __post_init__(self) -> None:
-        _one_of("trainer.algorithm", self.algorithm, ("grpo",))
+        _one_of("trainer.algorithm", self.algorithm, ALGORITHM_PRESETS)
         _one_of("trainer.device", self.device, ("auto", "cuda", "cpu"))
         _one_of("trainer.advantage_norm", self.advantage_norm, ("mean", "std"))
         _one_of("trainer.loss_agg", self.loss_agg, ("token", "sequence", "constant"))
@@ -457,6 +485,10 @@ class TaskConfig(Freezable):
     # the GRPO reward
     rewards: list[str] = field(default_factory=lambda: ["target_char"])
     reward_weights: list[float] = field(default_factory=list)  # one per reward; empty: all 1
+    # DAPO's soft overlong punishment (the built-in reward `overlong`, added to task.rewards when > 0):
+    # the last this share of sampling.max_tokens costs up to task.overlong_penalty (DAPO: 0.2, 1.0)
+    overlong_buffer: float = 0.0
+    overlong_penalty: float = 1.0
     # longer prompts are skipped (counted and logged); null: generator.max_model_len - sampling.max_tokens
     max_prompt_tokens: Optional[int] = None
     seed: int = 0  # the order prompts are drawn in (shuffled epochs), and the toys' rows
@@ -467,6 +499,8 @@ class TaskConfig(Freezable):
         _one_of("task.kind", self.kind, ("target_char", "copy", "dataset"))
         _check(len(self.rewards) >= 1, "task.rewards", self.rewards,
                "must name at least one reward function (module:function)")
+        _check(0 <= self.overlong_buffer <= 1, "task.overlong_buffer", self.overlong_buffer,
+               "must be in [0, 1] (a share of sampling.max_tokens; 0: off)")
         _check(not self.reward_weights or len(self.reward_weights) == len(self.rewards),
                "task.reward_weights", self.reward_weights,
                f"must give one weight per task.rewards entry ({len(self.rewards)}), or be empty")
@@ -544,11 +578,15 @@ def package_dir(name: str) -> Path:
 
 
 def register_configs() -> None:
-    """Put the schema into Hydra's ConfigStore and the `colo_rl.dir` resolver (which
-    conf/run.yaml's search path uses) into OmegaConf (idempotent)."""
+    """Put the schema into Hydra's ConfigStore and into OmegaConf the resolvers `colo_rl.dir` (which
+    conf/run.yaml's search path uses) and `colo_rl.flat` (conf/hydra's sweep subdir); idempotent."""
     ConfigStore.instance().store(name="colo_rl_schema", node=RunConfig)
     if not OmegaConf.has_resolver("colo_rl.dir"):
         OmegaConf.register_new_resolver("colo_rl.dir", lambda name: package_dir(name).as_uri())
+    if not OmegaConf.has_resolver("colo_rl.flat"):
+        # a sweep job's directory name from its overrides: a group override (trainer/algo=gspo)
+        # would otherwise nest it in a directory named after the overrides before the slash
+        OmegaConf.register_new_resolver("colo_rl.flat", lambda text: text.replace("/", "."))
 
 
 def validate(cfg: DictConfig | RunConfig) -> RunConfig:

@@ -12,11 +12,17 @@ apply to that sample (left out of the weighted sum, like TRL).
 `task.rewards` names functions by `module:function` import path, the directory the run starts
 from being on `sys.path`; a bare name is one of the built-ins below (`BUILTIN`), which go through
 the same loader.
+
+A function may also name, as parameters, what the run knows of each completion beyond its text
+(`CONTEXT`): `completion_ids` (its token ids, as TRL passes them), `max_tokens`
+(sampling.max_tokens) and `overlong_buffer` (task.overlong_buffer in tokens). Only functions that
+name them get them.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 import math
 import numbers
 import os
@@ -70,9 +76,19 @@ def format(prompts, completions, **columns) -> list[float]:  # noqa: A001 (the i
     return [1.0 if _BOXED.search(_text(c)) else 0.0 for c in completions]
 
 
+def overlong(prompts, completions, completion_ids, max_tokens, overlong_buffer, **columns) -> list[float]:
+    """DAPO's soft overlong punishment: 0 up to max_tokens - overlong_buffer tokens, then falling
+    linearly to -1 at max_tokens (verl's DAPORewardManager, penalty factor 1: task.overlong_penalty
+    is this function's weight). task.overlong_buffer > 0 adds it to the task's rewards."""
+    expected = max_tokens - overlong_buffer
+    return [min(-(len(ids) - expected) / overlong_buffer, 0.0) for ids in completion_ids]
+
+
 # short names usable in task.rewards, resolved by the same loader as users' import paths
 BUILTIN = {name: f"colo_rl.rewards:{name}"
-           for name in ("target_char", "copy_match", "math_accuracy", "format")}
+           for name in ("target_char", "copy_match", "math_accuracy", "format", "overlong")}
+# what a reward function gets when its signature names it (besides prompts, completions, columns)
+CONTEXT = ("completion_ids", "max_tokens", "overlong_buffer")
 
 
 class RewardError(RuntimeError):
@@ -87,15 +103,18 @@ class RewardFunction:
     name: str
     weight: float
     fn: Callable
+    context: tuple[str, ...] = ()  # the CONTEXT names its signature asks for
 
 
-def load_function(path: str, key: str = "task.rewards") -> Callable:
-    """The callable named by `module:function` (or a BUILTIN short name); ConfigError otherwise."""
-    target = BUILTIN.get(path, path)
+def load_function(path: str, key: str = "task.rewards", builtin: dict[str, str] | None = None) -> Callable:
+    """The callable named by `module:function` or by a short name of `builtin` (default: the
+    reward functions' BUILTIN); ConfigError naming `key` otherwise."""
+    builtin = BUILTIN if builtin is None else builtin
+    target = builtin.get(path, path)
     module_name, sep, attr = target.partition(":")
     if not sep or not module_name or not attr:
         raise ConfigError(f"{key}: {path!r} is not an import path: write module:function "
-                          f"(e.g. my_rewards:correct) or one of the built-ins {', '.join(BUILTIN)}")
+                          f"(e.g. my_module:my_function) or one of the built-ins {', '.join(builtin)}")
     # `python -m colo_rl.run` from the user's directory must find the module next to them
     cwd = os.getcwd()
     if cwd not in sys.path:
@@ -125,6 +144,8 @@ def load_rewards(paths: list[str], weights: list[float]) -> list[RewardFunction]
                           f"{len(paths)} task.rewards: give one weight per function, or none")
     loaded = [RewardFunction(p, "", w, load_function(p))
               for p, w in zip(paths, weights or [1.0] * len(paths))]
+    for r in loaded:
+        r.context = _context_names(r.fn)
     names = [getattr(r.fn, "__name__", r.path.rpartition(":")[2]) for r in loaded]
     for r, name in zip(loaded, names):
         # two functions of one name (a.correct, b.correct) are logged under their full paths
@@ -135,17 +156,20 @@ def load_rewards(paths: list[str], weights: list[float]) -> list[RewardFunction]
 class Rewards:
     """Calls every reward function once per batch and combines them into the GRPO reward."""
 
-    def __init__(self, functions: list[RewardFunction]):
+    def __init__(self, functions: list[RewardFunction], context: dict | None = None):
         self.functions = functions
+        self.context = context or {}  # the run's CONTEXT values (max_tokens, overlong_buffer)
 
     def per_function(self, prompts: list, completions: list, columns: dict[str, list],
-                     where: str) -> dict[str, list[float | None]]:
+                     where: str, completion_ids: list[list[int]] | None = None) -> dict[str, list[float | None]]:
         """{logged name: one value or None per completion}. Raises RewardError naming the
         function and `where` (the step) when one raises or returns something else."""
         values = {}
+        context = {**self.context, "completion_ids": completion_ids}
         for r in self.functions:
             try:
-                out = r.fn(prompts=prompts, completions=completions, **columns)
+                out = r.fn(prompts=prompts, completions=completions, **columns,
+                           **{name: context[name] for name in r.context})
             except Exception as exc:
                 raise RewardError(f"reward function {r.path} raised {type(exc).__name__} {where}: "
                                   f"{exc}") from exc
@@ -164,7 +188,7 @@ class Rewards:
         engine starts, as a ConfigError naming it."""
         empty = ["" if isinstance(p, str) else [{"role": "assistant", "content": ""}] for p in prompts]
         try:
-            self.per_function(prompts, empty, columns, "on the first batch (empty completions)")
+            self.per_function(prompts, empty, columns, "on the first batch (empty completions)", [[] for _ in prompts])
         except RewardError as exc:
             raise ConfigError(f"task.rewards: {exc}") from exc.__cause__
 
@@ -177,6 +201,16 @@ class Rewards:
             if applied:
                 out[f"{prefix}{name}"] = mean(applied)
         return out
+
+
+def _context_names(fn: Callable) -> tuple[str, ...]:
+    """The CONTEXT names `fn` takes as parameters of its own (not through **columns)."""
+    try:
+        parameters = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin or C function without a signature asks for none
+        return ()
+    return tuple(name for name in CONTEXT if name in parameters
+                 and parameters[name].kind is not inspect.Parameter.VAR_KEYWORD)
 
 
 def _checked(r: RewardFunction, out, count: int, where: str) -> list[float | None]:

@@ -13,13 +13,14 @@ from statistics import mean
 import torch
 
 from colo_rl.config import RunConfig, SamplingConfig
+from colo_rl.dynamic_sampling import dynamic_sampler
 from colo_rl.generator.client import Rollouts
 from colo_rl.metrics import MetricsLogger
 from colo_rl.parallel import Parallel
 from colo_rl.switch import Switch
 from colo_rl.tasks import Batch, Task
 from colo_rl.timing import StepTimer
-from colo_rl.trainer.loss import group_advantages
+from colo_rl.trainer.algorithms import load_estimator
 
 
 @dataclass
@@ -56,12 +57,18 @@ class SingleTurnRollout:
         evaluating = task.held_out is not None and step % e.every == 0
         eval_batch = eval_shard(task, par) if evaluating else None
         self.logger.phase("generate")
+        sampler = dynamic_sampler(settings, task, batch, step)  # None unless trainer.dynamic_sampling.enabled
         rollouts = self.switch.generate(
             batch.prompt_ids, step_sampling(settings, step), seed=seed, step=step,
-            eval_batch=(eval_batch.prompt_ids, eval_sampling(settings)) if evaluating else None)
+            eval_batch=(eval_batch.prompt_ids, eval_sampling(settings)) if evaluating else None,
+            refill=sampler)
         self.logger.phase("train")
         with timer.phase("score"):
-            rewards, values = task.score(batch, rollouts.texts, s.n, f"at step {step}")
+            if sampler is None:
+                rewards, values = task.score(batch, rollouts.texts, s.n, f"at step {step}", rollouts.completion_ids)
+            else:  # scored in the wake: the groups with a spread, from every round
+                batch, rollouts, rewards, values, sampled = sampler.result(rollouts)
+                rollouts.metrics.update(sampled)
             eval_metrics = (evaluation_metrics(task, eval_batch, rollouts.evaluation, settings, step, par)
                             if evaluating else {})
         return StepRollout(batch, rollouts, rewards, values, eval_metrics, timer, started)
@@ -124,7 +131,8 @@ def evaluation_metrics(task: Task, batch: Batch, rollouts: Rollouts, settings: R
     """eval/*: the held-out prompts' mean reward (and each function's), the share of prompts
     with a completion reaching eval.pass_reward (pass@n), and the completions' mean length."""
     e = settings.eval
-    totals, values = task.score(batch, rollouts.texts, e.n, f"at step {step} (evaluation)")
+    totals, values = task.score(batch, rollouts.texts, e.n, f"at step {step} (evaluation)",
+                                rollouts.completion_ids)
     lengths = [len(ids) for ids in rollouts.completion_ids]
     passed = [max(totals[i:i + e.n]) >= e.pass_reward for i in range(0, len(totals), e.n)]
     gathered = par.gather((totals, values, lengths, passed))
@@ -151,12 +159,13 @@ def final_evaluation(step: int, settings: RunConfig, task: Task, switch: Switch,
 
 
 def sample_rows(step: int, batch: Batch, texts: list[str], rewards: list[float],
-                values: dict[str, list], settings: RunConfig) -> list[dict]:
+                values: dict[str, list], settings: RunConfig, completion_ids: list[list[int]]) -> list[dict]:
     """The first logger.log_completions completions of the step, each with its prompt, every
-    reward function's value, the weighted reward and the GRPO advantage."""
+    reward function's value, the weighted reward and its advantage (trainer.advantage_estimator)."""
     n, count = settings.sampling.n, settings.logger.log_completions
-    advantages = group_advantages(torch.tensor(rewards, dtype=torch.float64), n,
-                                  settings.trainer.advantage_norm, std=settings.trainer.advantage_std).tolist()
+    estimator = load_estimator(settings.trainer.advantage_estimator)
+    advantages = estimator(torch.tensor(rewards, dtype=torch.float64), n,
+                           lengths=torch.tensor([len(c) for c in completion_ids]), cfg=settings.trainer).tolist()
     prompts, _ = batch.repeated(n)
     return [{"step": step, "prompt": prompts[i], "completion": texts[i], "reward": rewards[i],
              "rewards": {name: vals[i] for name, vals in values.items()},

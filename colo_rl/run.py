@@ -47,6 +47,7 @@ from colo_rl.signals import InterruptGuard, engine_killer
 from colo_rl.switch import Switch
 from colo_rl.tasks import Task
 from colo_rl.timing import SetupStages, engine_log_status
+from colo_rl.trainer.algorithms import check_algorithm
 from colo_rl.trainer import GRPOTrainer, Offloader, TrainingDiverged, load_checkpoint
 from colo_rl.trainer.checkpoint import check_compatible, verify_checkpoint
 
@@ -113,6 +114,7 @@ class Run:
         self.cfg = cfg
         self.stages = SetupStages()
         self.validated = self.settings = settings = validate(cfg)
+        check_algorithm(settings)
         self.stages.mark("config", "config checked")
         if settings.model.source != cfg.model.source:
             log.warning("model.path=%s is set, so model.source=hf: training that model, not the "
@@ -340,8 +342,10 @@ class Run:
             torch.cuda.reset_peak_memory_stats()
         with self.guard.deferred():  # an interrupt waits until this step is applied and logged
             with r.timer.phase("train"):
-                train_metrics = p.trainer.train_step(r.batch.prompt_ids, r.rollouts.completion_ids, r.rewards,
-                                                     settings.sampling.n, engine_logprobs=r.rollouts.logprobs)
+                train_metrics = p.trainer.train_step(
+                    r.batch.prompt_ids, r.rollouts.completion_ids, r.rewards, settings.sampling.n,
+                    engine_logprobs=r.rollouts.logprobs,
+                    truncated=[reason == "length" for reason in r.rollouts.finish_reasons])
             metrics = step_metrics(r, train_metrics, p.trainer, p.switch, settings.trainer.peak_tflops,
                                    p.task.rewards.metrics(r.values))
             if par.enabled:
@@ -350,7 +354,8 @@ class Run:
             metrics.update(r.eval_metrics)
             p.logger.log(step, metrics)
             if settings.logger.log_completions:
-                p.logger.log_samples(sample_rows(step, r.batch, r.rollouts.texts, r.rewards, r.values, settings))
+                p.logger.log_samples(sample_rows(step, r.batch, r.rollouts.texts, r.rewards, r.values, settings,
+                                                 r.rollouts.completion_ids))
             done.update(step=step + 1, sampler=p.task.sampler.state())
         _check_finite(p.trainer, step, settings.trainer.max_nonfinite_steps)
 

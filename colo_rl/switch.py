@@ -19,6 +19,7 @@ import torch
 
 from colo_rl.config import SamplingConfig
 from colo_rl.generator.client import GeneratorError, Rollouts, VLLMGenerator
+from colo_rl.rewards import RewardError
 from colo_rl.timing import StepTimer
 
 if TYPE_CHECKING:
@@ -56,7 +57,7 @@ class Switch:
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig, *,
                  seed: int | list[int] | None = None,
                  eval_batch: tuple[list[list[int]], SamplingConfig] | None = None,
-                 step: int | None = None) -> Rollouts:
+                 step: int | None = None, refill=None) -> Rollouts:
         """Push the model's weights, generate `sampling.n` completions per prompt, hand the GPU back.
 
         `eval_batch`: (prompt ids, sampling) of a second batch generated in the same wake, after
@@ -64,6 +65,10 @@ class Switch:
 
         `seed`: one for the whole batch, or one per prompt (a prompt's completions then do not
         depend on what else is in the batch: data-parallel ranks sample what one process would).
+
+        `refill(rollouts, round_index)`: called with each generate call's rollouts (round 0: the
+        step's), in the wake; returns (prompt ids, seed) of a further call with `sampling`, or None
+        (colo_rl.dynamic_sampling). The result is round 0's rollouts.
 
         `step`: the training step this wake serves. With `restart_on_failure`, a step whose
         engine phase fails is retried once on a fresh engine (its metrics then carry
@@ -73,22 +78,22 @@ class Switch:
         trainer's tensors go back to the GPU; if it cannot be stopped, they stay on the CPU.
         """
         try:
-            return self._engine_phase(prompt_ids, sampling, seed, eval_batch)
+            return self._engine_phase(prompt_ids, sampling, seed, eval_batch, refill)
         except GeneratorError as exc:
             if step is None or not self.restart_on_failure:
                 raise
             log.error("step %d: %s; generator.restart_on_failure=true: starting a fresh engine", step, exc)
-            rollouts = self._engine_phase(prompt_ids, sampling, seed, eval_batch)
+            rollouts = self._engine_phase(prompt_ids, sampling, seed, eval_batch, refill)
             rollouts.metrics["generator/restarts"] = 1.0
             return rollouts
 
-    def _engine_phase(self, prompt_ids, sampling, seed, eval_batch) -> Rollouts:
+    def _engine_phase(self, prompt_ids, sampling, seed, eval_batch, refill=None) -> Rollouts:
         """One wake, timed phase by phase; a failure is recovered from (`_recover`) and raised
         as a GeneratorError naming its phase (an interrupt as itself)."""
         timer = StepTimer()
         start = time.perf_counter()
         try:
-            result = self._cycle(prompt_ids, sampling, seed, timer, eval_batch)
+            result = self._cycle(prompt_ids, sampling, seed, timer, eval_batch, refill)
         except BaseException as exc:
             phase = timer.current or "generate"
             log_path = self.engine.log_path
@@ -97,8 +102,10 @@ class Switch:
                          else "the trainer's state is on its device")
                 raise GeneratorError(f"{exc}; the engine could not be stopped, {state}", phase=phase,
                                      log_path=log_path) from exc
-            if isinstance(exc, GeneratorError) or not isinstance(exc, Exception):
-                raise  # already names its phase, or an interrupt the runner checkpoints on
+            if isinstance(exc, (GeneratorError, RewardError)) or not isinstance(exc, Exception):
+                # already names its phase; an interrupt the runner checkpoints on; a reward function
+                # that failed scoring a round for `refill` (the task's error, not the engine's)
+                raise
             raise GeneratorError(f"{type(exc).__name__}: {exc}", phase=phase, log_path=log_path) from exc
         timer.metrics["timing/generator_total_s"] = time.perf_counter() - start
         m = timer.metrics
@@ -106,7 +113,7 @@ class Switch:
         result.metrics.update(m)
         return result
 
-    def _cycle(self, prompt_ids, sampling, seed, timer: StepTimer, eval_batch=None) -> Rollouts:
+    def _cycle(self, prompt_ids, sampling, seed, timer: StepTimer, eval_batch=None, refill=None) -> Rollouts:
         engine, offloader, model = self.engine, self.offloader, self.model
         m = timer.metrics
         timer.memory("trainer_step")
@@ -150,6 +157,9 @@ class Switch:
         timer.memory("wake_kv")
         with timer.phase("generate"):
             result = engine.generate(prompt_ids, sampling, seed)
+            latest, round_index = result, 0
+            while refill is not None and (request := refill(latest, round_index)) is not None:
+                latest, round_index = engine.generate(request[0], sampling, request[1]), round_index + 1
         # llm.generate alone, and the garbage collector's pauses of the engine's process inside it
         m.update(result.metrics)
         evaluation = None

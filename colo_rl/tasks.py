@@ -114,8 +114,7 @@ class Task:
         if held_out is not None:
             held_out, skipped["data/eval_prompts_skipped"] = _encode_and_filter(
                 held_out, prompt_key, tokenizer, settings, limit)
-        task = cls(train, held_out, prompt_key, columns, Rewards(load_rewards(t.rewards, t.reward_weights)),
-                   t.seed, skipped)
+        task = cls(train, held_out, prompt_key, columns, _rewards(settings), t.seed, skipped)
         first = task._batch(train, list(range(min(len(train), settings.trainer.prompts_per_step))))
         task.rewards.check_first_batch(*first.repeated(1))
         return task
@@ -127,15 +126,31 @@ class Task:
         rows = dataset[indices]
         return Batch(rows[self.prompt_key], {c: rows[c] for c in self.columns}, rows[IDS])
 
-    def score(self, batch: Batch, texts: list[str], n: int, where: str):
+    def score(self, batch: Batch, texts: list[str], n: int, where: str,
+              completion_ids: list[list[int]] | None = None):
         """(GRPO reward per completion, {function name: value or None per completion})."""
         prompts, columns = batch.repeated(n)
         if prompts and not isinstance(prompts[0], str):
             completions = [[{"role": "assistant", "content": text}] for text in texts]
         else:
             completions = list(texts)
-        values = self.rewards.per_function(prompts, completions, columns, where)
+        values = self.rewards.per_function(prompts, completions, columns, where, completion_ids)
         return self.rewards.combine(values), values
+
+
+def _rewards(settings: RunConfig) -> Rewards:
+    """task.rewards, with DAPO's overlong punishment (weight task.overlong_penalty) added when
+    task.overlong_buffer > 0."""
+    t, max_tokens = settings.task, settings.sampling.max_tokens
+    paths, weights = list(t.rewards), list(t.reward_weights)
+    buffer = max(1, round(t.overlong_buffer * max_tokens))
+    if t.overlong_buffer > 0:
+        paths.append("overlong")
+        weights = (weights or [1.0] * len(t.rewards)) + [t.overlong_penalty]
+    elif "overlong" in paths:
+        raise ConfigError("task.rewards names overlong but task.overlong_buffer=0: set task.overlong_buffer "
+                          "(the share of sampling.max_tokens it punishes, e.g. 0.25) instead of listing it")
+    return Rewards(load_rewards(paths, weights), {"max_tokens": max_tokens, "overlong_buffer": buffer})
 
 
 def _dataset_splits(settings: RunConfig, eval_size: int):

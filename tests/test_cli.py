@@ -32,6 +32,11 @@ BAD_INPUTS = {
     "in_a_multirun": (["-m", "trainer.lr=-1,1e-3"], "trainer.lr=-1.0 must be > 0"),
     "liger_off_cuda": (["trainer.kernels=liger", "trainer.device=cpu"],
                        "trainer.kernels=liger runs Triton GPU kernels, but the trainer is on cpu"),
+    "estimator_path_that_does_not_import": (["trainer/algo=rloo", "trainer.advantage_estimator=no_such_module:loo"],
+                                            "trainer.advantage_estimator: 'no_such_module:loo': module "
+                                            "'no_such_module' does not import"),
+    "algo_sweep_with_an_unknown_preset": (["-m", "trainer/algo=vtrace,grpo"],
+                                          "trainer/algo=vtrace: there is no config trainer/algo/vtrace.yaml"),
 }
 # Hydra's other composition errors, composed for real in this process (the same exceptions
 # the subprocess gets; a subprocess each would cost 5 s of importing torch).
@@ -61,6 +66,23 @@ COMPOSE_ERRORS = {
                                               "the config search path. Choose one of olmo2, "),
     "unknown_experiment": (["experiment=nope"], "experiment=nope: there is no config experiment/nope.yaml"),
     "missing_value": (["trainer.lr=???"], "trainer.lr: has no value (??? in its YAML) and must be set"),
+    "unknown_algo_preset": (["trainer/algo=ppo"], "trainer/algo=ppo: there is no config trainer/algo/ppo.yaml"),
+    "unknown_estimator": (["trainer.advantage_estimator=vtrace"],
+                          "trainer.advantage_estimator: 'vtrace' is not an import path: write module:function "
+                          "(e.g. my_module:my_function) or one of the built-ins grpo, rloo, reinforce_pp"),
+    "estimator_without_function": (["trainer.advantage_estimator=colo_rl.trainer.algorithms:vtrace"],
+                                   "has no callable 'vtrace'"),
+    "unknown_policy_loss": (["trainer.policy_loss=cispo"], "trainer.policy_loss: 'cispo' is not an import path"),
+    "unknown_algorithm_label": (["trainer.algorithm=ppo"], "trainer.algorithm='ppo' must be one of grpo, dr_grpo, "),
+    "dynamic_sampling_rounds": (["trainer/algo=dapo", "trainer.dynamic_sampling.max_rounds=0"],
+                                "trainer.dynamic_sampling.max_rounds=0 must be >= 1"),
+    "overlong_buffer_range": (["task.overlong_buffer=2"], "task.overlong_buffer=2.0 must be in [0, 1]"),
+    "skip_zero_advantage_under_fsdp": (["trainer.skip_zero_advantage=true", "trainer.parallel=fsdp"],
+                                       "trainer.skip_zero_advantage=True is not supported with trainer.parallel=fsdp"),
+    "reinforce_pp_under_ddp": (["trainer/algo=reinforce_pp", "trainer.parallel=ddp"],
+                               "trainer.advantage_estimator='reinforce_pp' whitens over the whole batch"),
+    "skip_zero_advantage_with_kl": (["trainer.skip_zero_advantage=true", "trainer.kl_coef=0.1"],
+                                    "trainer.skip_zero_advantage=True cannot skip sequences with trainer.kl_coef=0.1"),
 }
 
 

@@ -50,7 +50,7 @@ def test_builtins_and_user_functions_load_by_the_same_import_path(tmp_path, monk
     assert load_function("my_rewards:correct")(["q"], ["4"], answer=["4"]) == [1.0]
     assert load_function("format") is format_reward
     assert load_function("colo_rl.rewards:target_char") is target_char
-    assert set(BUILTIN) == {"target_char", "copy_match", "math_accuracy", "format"}
+    assert set(BUILTIN) == {"target_char", "copy_match", "math_accuracy", "format", "overlong"}
     loaded = load_rewards(["my_rewards:correct", "format"], [1.0, 0.5])
     assert [(r.name, r.weight) for r in loaded] == [("correct", 1.0), ("format", 0.5)]
     assert [r.weight for r in load_rewards(["format", "target_char"], [])] == [1.0, 1.0]

@@ -27,7 +27,8 @@ from colo_rl.trainer.flops import ModelShape, step_flops
 from colo_rl.trainer.head import EAGER, compiled_ops
 from colo_rl.trainer.kernels import apply_liger, compile_layers, resolve_kernels
 from colo_rl.trainer.logprobs import _chunked_head, _target_logprobs_eager, target_logprob_function
-from colo_rl.trainer.loss import _logprob_gap, _tis_ratio, _tis_stats, group_advantages, grpo_loss, loss_normalizer
+from colo_rl.trainer.algorithms import load_estimator, load_policy_loss
+from colo_rl.trainer.loss import _logprob_gap, _tis_ratio, _tis_stats, grpo_loss, loss_normalizer
 from colo_rl.trainer.optim import make_optimizer, scheduled_lr
 from colo_rl.trainer.precision import compute_copies, weight_copies
 
@@ -44,6 +45,27 @@ class TrainerOutOfMemory(RuntimeError):
     def __init__(self, message: str, state_intact: bool):
         super().__init__(message)
         self.state_intact = state_intact
+
+
+def _masked_truncated(cfg: TrainerConfig, truncated: Optional[list[bool]], count: int) -> Optional[torch.Tensor]:
+    """(N,) bool of the completions trainer.mask_truncated leaves out of the loss; None when it is off."""
+    if not cfg.mask_truncated:
+        return None
+    if truncated is None or len(truncated) != count:
+        raise ValueError(f"trainer.mask_truncated=true needs one truncated flag per completion ({count}); "
+                         f"got {None if truncated is None else len(truncated)}")
+    return torch.tensor(truncated, dtype=torch.bool)
+
+
+def _trained_sequences(cfg: TrainerConfig, advantages: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Indices of the sequences that go through forward and backward: all of them, or with
+    trainer.skip_zero_advantage those whose advantage is not 0 and that have loss tokens (the
+    others add exactly 0 to the loss and the gradient). At least one, so that the optimizer steps
+    on a whole zero gradient as it would without skipping (AdamW skips a parameter without one)."""
+    if not cfg.skip_zero_advantage:
+        return torch.arange(advantages.numel())
+    trained = ((advantages != 0) & (lengths > 0)).nonzero().reshape(-1)
+    return trained if trained.numel() else torch.arange(1)
 
 
 class GRPOTrainer:
@@ -83,6 +105,8 @@ class GRPOTrainer:
             compile_layers(model)
         self.forward_model = _wrap(model, self.parallel, device)  # what runs forward/backward
         self.cfg = cfg
+        self.estimator = load_estimator(cfg.advantage_estimator)  # trainer.advantage_estimator
+        self.policy_loss = load_policy_loss(cfg.policy_loss)  # trainer.policy_loss
         self.pad_token_id = pad_token_id
         self.temperature = temperature
         self.max_tokens = max_tokens
@@ -112,12 +136,15 @@ class GRPOTrainer:
 
     def train_step(self, prompt_ids: list[list[int]], completion_ids: list[list[int]],
                    rewards: list[float], group_size: int,
-                   engine_logprobs: Optional[list[list[float]]] = None) -> dict[str, float]:
+                   engine_logprobs: Optional[list[list[float]]] = None,
+                   truncated: Optional[list[bool]] = None) -> dict[str, float]:
         """One GRPO step on a batch of groups; returns its train/* metrics.
 
         prompt_ids has one entry per prompt; completion_ids num_prompts * group_size entries,
         prompt i's group at [i*G:(i+1)*G]. Runs cfg.updates_per_batch optimizer steps, each
         accumulating micro-batches of cfg.micro_batch_size sequences into the full-batch gradient.
+        `truncated`: which completions reached sampling.max_tokens (trainer.mask_truncated leaves
+        them out of the loss).
         """
         _check_batch(prompt_ids, completion_ids, rewards, group_size, engine_logprobs)
         if self.cfg.tis_cap is not None and engine_logprobs is None:
@@ -126,7 +153,7 @@ class GRPOTrainer:
         lr = self._set_lr()
         self._optimizer_touched = False
         try:
-            return self._train_step(prompt_ids, completion_ids, rewards, group_size, engine_logprobs, lr)
+            return self._train_step(prompt_ids, completion_ids, rewards, group_size, engine_logprobs, lr, truncated)
         except torch.OutOfMemoryError as exc:
             intact = not self._optimizer_touched
             if intact:  # only gradients and activations were touched: drop them
@@ -140,12 +167,20 @@ class GRPOTrainer:
                 "resume from the checkpoint" + ("" if intact else " written before this step"),
                 state_intact=intact) from exc
 
-    def _train_step(self, prompt_ids, completion_ids, rewards, group_size, engine_logprobs, lr) -> dict[str, float]:
-        advantages = group_advantages(torch.tensor(rewards, dtype=torch.float64), group_size,
-                                      self.cfg.advantage_norm, std=self.cfg.advantage_std)
-        micro = self._micro_batches([p for p in prompt_ids for _ in range(group_size)],
-                                    completion_ids, advantages, engine_logprobs)
+    def _train_step(self, prompt_ids, completion_ids, rewards, group_size, engine_logprobs, lr,
+                    truncated) -> dict[str, float]:
         lengths = torch.tensor([len(c) for c in completion_ids])
+        masked = _masked_truncated(self.cfg, truncated, len(completion_ids))
+        if masked is not None:  # left out of the loss: no tokens of theirs count
+            lengths = torch.where(masked, 0, lengths)
+        advantages = self.estimator(torch.tensor(rewards, dtype=torch.float64), group_size,
+                                    lengths=lengths, cfg=self.cfg)
+        prompts = [p for p in prompt_ids for _ in range(group_size)]
+        trained = _trained_sequences(self.cfg, advantages, lengths)
+        micro = self._micro_batches([prompts[i] for i in trained], [completion_ids[i] for i in trained],
+                                    advantages[trained] if len(trained) < len(prompts) else advantages,
+                                    [engine_logprobs[i] for i in trained] if engine_logprobs is not None else None,
+                                    keep=None if masked is None else ~masked[trained])
         normalizer = self._global_normalizer(lengths)
         # the reference computes as the policy does (with the same weight copies)
         with compute_copies(self.reference, self.autocast_dtype, self.copies):
@@ -159,8 +194,8 @@ class GRPOTrainer:
             updates.append(stats)
             if stats["skipped"]:  # the next update would start from the same state
                 break
-        self.last_step_flops = step_flops(self.shape, [len(p) for p in prompt_ids for _ in range(group_size)],
-                                          [len(c) for c in completion_ids], updates=len(updates),
+        self.last_step_flops = step_flops(self.shape, [len(prompts[i]) for i in trained],
+                                          [len(completion_ids[i]) for i in trained], updates=len(updates),
                                           reference_forward=self.cfg.kl_coef > 0)
         skipped = updates[-1]["skipped"]
         self.nonfinite_in_a_row = self.nonfinite_in_a_row + 1 if skipped else 0
@@ -173,6 +208,10 @@ class GRPOTrainer:
         metrics["train/lr"] = lr
         metrics["train/response_tokens"] = float(lengths.sum())
         metrics["train/advantage_abs_mean"] = float(advantages.abs().mean())
+        if masked is not None:
+            metrics["train/truncated_masked"] = float(masked.sum())
+        if self.cfg.skip_zero_advantage:
+            metrics["train/sequences_skipped"] = float(len(prompts) - len(trained))
         if engine_logprobs is not None:
             metrics["train/engine_logprob_gap"] = _logprob_gap(micro, old)
         if self.cfg.tis_cap is not None:
@@ -206,20 +245,26 @@ class GRPOTrainer:
             total = p.all_sum(float(lengths.numel())) * self.max_tokens
         return total / p.world_size
 
-    def _micro_batches(self, prompts, completions, advantages, engine) -> list[_MicroBatch]:
+    def _micro_batches(self, prompts, completions, advantages, engine, keep=None) -> list[_MicroBatch]:
         """Micro-batches of cfg.micro_batch_size sequences. With cfg.sort_by_length the sequences go
         in order of length first, so each micro-batch pads to a length near its own: the loss and
         gradient are sums over sequences with the global batch's normalizer, so the grouping
-        changes them only by floating-point summation order."""
+        changes them only by floating-point summation order. `keep` (bool per sequence): False
+        masks the whole sequence out of the loss."""
         size = micro_batch_size(self.cfg)
         if self.cfg.sort_by_length and size < len(completions):
             order = sorted(range(len(completions)), key=lambda i: len(prompts[i]) + len(completions[i]))
             prompts, completions = [prompts[i] for i in order], [completions[i] for i in order]
             advantages = advantages[torch.tensor(order)]
             engine = [engine[i] for i in order] if engine is not None else None
-        return [_pack(prompts[i:i + size], completions[i:i + size], advantages[i:i + size],
-                      engine[i:i + size] if engine is not None else None, self.pad_token_id, self.device)
-                for i in range(0, len(completions), size)]
+            keep = keep[torch.tensor(order)] if keep is not None else None
+        micro = [_pack(prompts[i:i + size], completions[i:i + size], advantages[i:i + size],
+                       engine[i:i + size] if engine is not None else None, self.pad_token_id, self.device)
+                 for i in range(0, len(completions), size)]
+        if keep is not None:
+            for i, mb in enumerate(micro):
+                mb.mask *= keep[i * size:(i + 1) * size].to(mb.mask).unsqueeze(1)
+        return micro
 
     def _update(self, micro: list[_MicroBatch], old: Optional[list[torch.Tensor]],
                 ref: list[Optional[torch.Tensor]], normalizer: float) -> tuple[dict, list[torch.Tensor]]:
@@ -267,7 +312,8 @@ class GRPOTrainer:
                                         clip_eps=self.cfg.clip_eps, clip_eps_high=self.cfg.clip_eps_high,
                                         loss_agg=self.cfg.loss_agg, max_tokens=self.max_tokens,
                                         ref_logprobs=ref[i], kl_coef=self.cfg.kl_coef,
-                                        tis_weights=tis, normalizer=normalizer, sync=False)
+                                        tis_weights=tis, normalizer=normalizer, sync=False,
+                                        policy_loss=self.policy_loss)
                 loss.backward()
             sums += torch.stack([loss.detach(), stats["clip_frac"] * stats["tokens"],
                                  stats["kl"] * stats["tokens"], stats["tokens"]]).to(torch.float64)

@@ -3,7 +3,7 @@ token-level loss, and the truncated importance sampling (TIS) statistics against
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -53,11 +53,27 @@ def loss_normalizer(lengths: torch.Tensor, loss_agg: str, max_tokens: int) -> fl
         return float(lengths.numel() * max_tokens)
     raise ValueError(f"loss_agg={loss_agg!r} must be one of {', '.join(LOSS_AGGS)} (trainer.loss_agg)")
 
+def ppo_clip(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+             mask: torch.Tensor, *, clip_low: float, clip_high: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's clipped surrogate per token: max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high)) with the
+    token ratio r = exp(logprobs - old_logprobs) (verl's compute_policy_loss_vanilla without its
+    dual clip; clip_high > clip_low is DAPO's clip-higher)."""
+    # exp of a padded position's gap can be inf, and inf * 0 is NaN: zero the gap first.
+    ratio = torch.exp(torch.where(mask, logprobs - old_logprobs, 0.0))
+    adv = advantages.unsqueeze(1)
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1 - clip_low, 1 + clip_high)
+    # the clipped term is the larger one exactly where a bound stops the gradient: below
+    # 1 - clip_low with a negative advantage, above 1 + clip_high with a positive one
+    return torch.maximum(unclipped, clipped), clipped > unclipped
+
+
 def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
               mask: torch.Tensor, *, clip_eps: float, loss_agg: str, max_tokens: int,
               clip_eps_high: Optional[float] = None, ref_logprobs: Optional[torch.Tensor] = None,
               kl_coef: float = 0.0, tis_weights: Optional[torch.Tensor] = None,
-              normalizer: Optional[float] = None, sync: bool = True) -> tuple[torch.Tensor, dict]:
+              normalizer: Optional[float] = None, sync: bool = True,
+              policy_loss: Optional[Callable] = None) -> tuple[torch.Tensor, dict]:
     """The token-level clipped policy-gradient loss, with an optional k3 KL penalty to a reference.
 
     logprobs, old_logprobs, ref_logprobs, tis_weights, mask: (B, T) over response tokens, mask 1
@@ -70,7 +86,8 @@ def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: to
     sequences) or 'constant' (sum / (B * max_tokens), Dr. GRPO). `normalizer` overrides the
     denominator: the trainer passes the full batch's so that micro-batch losses add up to the
     full-batch loss. Padded positions never reach an exp, so any value there (an overflowing
-    log-prob gap included) leaves the loss and its gradient unchanged.
+    log-prob gap included) leaves the loss and its gradient unchanged. `policy_loss` makes the
+    per-token term and its clip flags (ppo_clip by default; colo_rl/trainer/algorithms.py: gspo, a user's).
     Returns (loss, stats) with stats clip_frac (tokens where either clip bound is active) and
     kl (means over masked tokens) and tokens: Python floats, or with sync=False 0-d tensors on the
     loss's device, so that a caller summing micro-batches waits for the GPU once, not per call.
@@ -83,13 +100,9 @@ def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: to
         raise ValueError(f"kl_coef={kl_coef} needs ref_logprobs: pass the reference policy's log-probs")
     real = mask.bool()
     mask = mask.to(logprobs.dtype)
-    # exp of a padded position's gap can be inf, and inf * 0 is NaN: zero the gap first.
-    ratio = torch.exp(torch.where(real, logprobs - old_logprobs, 0.0))
-    adv = advantages.to(logprobs.dtype).unsqueeze(1)
     high = clip_eps if clip_eps_high is None else clip_eps_high
-    unclipped = -adv * ratio
-    clipped = -adv * ratio.clamp(1 - clip_eps, 1 + high)
-    per_token = torch.maximum(unclipped, clipped)
+    per_token, clip_active = (policy_loss or ppo_clip)(logprobs, old_logprobs, advantages.to(logprobs.dtype),
+                                                       real, clip_low=clip_eps, clip_high=high)
     if tis_weights is not None:
         per_token = per_token * torch.where(real, tis_weights.detach(), 0.0)
     kl = torch.zeros_like(per_token)
@@ -108,9 +121,7 @@ def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: to
     with torch.no_grad():
         tokens = lengths.sum()
         denominator = tokens.clamp(min=1.0)
-        # the clipped term is the larger one exactly where a bound stops the gradient: below
-        # 1 - clip_eps with a negative advantage, above 1 + clip_eps_high with a positive one
-        stats = {"clip_frac": ((clipped > unclipped) * mask).sum() / denominator,
+        stats = {"clip_frac": (clip_active * mask).sum() / denominator,
                  "kl": (kl * mask).sum() / denominator, "tokens": tokens}
     if sync:
         stats = {key: float(value) for key, value in stats.items()}
