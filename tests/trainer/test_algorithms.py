@@ -169,3 +169,21 @@ def test_truncated_completions_are_masked_out_of_the_loss_on_request(model_dir):
     off, off_grads = _gradients(_trainer(model_dir), truncated=truncated)
     plain, plain_grads = _gradients(_trainer(model_dir))
     assert off == plain and all(torch.equal(off_grads[n], plain_grads[n]) for n in plain_grads)
+
+
+def test_the_trainer_trains_with_the_policy_loss_it_is_given(model_dir, tmp_path, monkeypatch):
+    """trainer.policy_loss reaches the loss of a train step (the merge of the named parts once loaded
+    it and trained with ppo_clip all the same): a user's loss that doubles ppo_clip's per-token term
+    doubles the loss and every gradient."""
+    (tmp_path / "doubled_loss.py").write_text(
+        "from colo_rl.trainer.loss import ppo_clip\n"
+        "def doubled(*args, **kwargs):\n"
+        "    per_token, clipped = ppo_clip(*args, **kwargs)\n"
+        "    return 2 * per_token, clipped\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    unclipped = dict(max_grad_norm=1e9)  # the gradient clip would scale both to one norm
+    plain, plain_grads = _gradients(_trainer(model_dir, **unclipped))
+    doubled, doubled_grads = _gradients(_trainer(model_dir, policy_loss="doubled_loss:doubled", **unclipped))
+    assert doubled["train/loss"] == pytest.approx(2 * plain["train/loss"], rel=1e-6)
+    for name, value in plain_grads.items():
+        torch.testing.assert_close(doubled_grads[name], 2 * value, rtol=1e-5, atol=1e-7)
