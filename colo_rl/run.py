@@ -44,6 +44,7 @@ from colo_rl.models import DTYPES, load_tokenizer, prepare_model_dir
 from colo_rl.parallel import Parallel, reduce_step_metrics
 from colo_rl.planner import plan_run
 from colo_rl.rundir import RunDirLock
+from colo_rl.sweep import objective
 from colo_rl.switch import Switch
 from colo_rl.tasks import Batch, Task
 from colo_rl.timing import SetupStages, StepTimer, engine_log_status, host_metrics
@@ -149,8 +150,9 @@ class RunResult:
 
 
 def run(cfg: DictConfig, generator: VLLMGenerator | None = None) -> float:
-    """Train for `trainer.steps` steps; returns the mean reward of the last steps (for sweepers)."""
-    return train(cfg, generator).final_reward
+    """Train for `trainer.steps` steps; returns the sweep objective (colo_rl.sweep.objective: the
+    final held-out eval/reward/mean, to maximize)."""
+    return objective(train(cfg, generator).records)
 
 
 def train(cfg: DictConfig, generator: VLLMGenerator | None = None) -> RunResult:
