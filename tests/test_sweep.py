@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -137,7 +136,7 @@ def test_a_ray_launched_sweep_runs_each_job_as_a_ray_task_and_leaves_no_ray_proc
         assert not left, [" ".join(p.cmdline()) for p in left]
     finally:
         for proc in ray_processes(temp_dir):  # what the instance we started left, should the test fail
-            os.killpg(proc.pid, signal.SIGKILL) if proc.pid == os.getpgid(proc.pid) else proc.kill()
+            proc.kill()
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
