@@ -146,8 +146,11 @@ class JobFailed(Exception):
     that it ends one trial, not the sweep. `code` is the exit code the job would have had."""
 
     def __init__(self, code: int):
-        super().__init__(f"the job stopped with exit code {code} (its colo_rl: error line is above)")
+        super().__init__(code)  # args (code,): a launcher that pickles a job's result rebuilds it
         self.code = code
+
+    def __str__(self) -> str:
+        return f"the job stopped with exit code {self.code} (its colo_rl: error line is above)"
 
 
 def _sweeper_counts_failures() -> bool:
