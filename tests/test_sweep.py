@@ -151,3 +151,29 @@ def test_a_submitit_local_sweep_runs_each_job_in_its_own_process(tmp_path):
     assert len(logs) == 2, logs
     for job in done:
         assert "set-up: engine ready" in (job / "run.log").read_text()
+
+
+@pytest.mark.parametrize("overrides,counts_failures", [
+    (("experiment=optuna_lr", "hydra.mode=MULTIRUN"), True),
+    (("hydra.mode=MULTIRUN",), False),  # the basic sweeper stops at the first failed job
+    (("experiment=optuna_lr", "hydra.mode=RUN"), False),
+])
+def test_a_failed_job_is_a_failed_trial_only_under_a_sweeper_that_counts_failures(overrides, counts_failures):
+    from hydra.core.hydra_config import HydraConfig
+
+    from colo_rl.cli import JobFailed, boundary
+    from colo_rl.config import ConfigError
+
+    HydraConfig.instance().set_config(compose_with_hydra(*overrides))
+    try:
+        with pytest.raises(JobFailed if counts_failures else SystemExit) as stopped:
+            with boundary():
+                raise ConfigError("trainer.lr=-1.0 must be > 0")
+    finally:
+        HydraConfig.instance().cfg = None
+    assert stopped.value.code == 2
+    # the sweep's own end, should too many trials fail: the jobs' exit code, no traceback
+    with pytest.raises(SystemExit) as ended:
+        with boundary():
+            raise JobFailed(2)
+    assert ended.value.code == 2
