@@ -275,13 +275,16 @@ def _short(override: str) -> str:
 def sweep_rows(jobs: list[Job]) -> list[list[str]]:
     """One row of TABLE_COLUMNS per job: its varying overrides, objective, final metrics, seconds."""
     varied, _ = varying(jobs)
-    rows = []
-    for job, overrides in zip(jobs, varied):
-        values = [f"{job.objective:.4g}", *(f"{job.final[k]:.4g}" if k in job.final else "-" for k in FINAL_KEYS),
-                  f"{job.seconds:.1f}"] if not job.failed else ["failed", *("-" for _ in FINAL_KEYS), "-"]
-        rows.append([str(job.number if job.number is not None else job.name),
-                     ", ".join(_short(o) for o in overrides) or "-", *values])
-    return rows
+    return [[str(job.number if job.number is not None else job.name),
+             ", ".join(_short(o) for o in overrides) or "-", *_row_values(job)]
+            for job, overrides in zip(jobs, varied)]
+
+
+def _row_values(job: Job) -> list[str]:
+    if job.failed:
+        return ["failed", *("-" for _ in FINAL_KEYS), "-"]
+    return [f"{job.objective:.4g}", *(f"{job.final[k]:.4g}" if k in job.final else "-" for k in FINAL_KEYS),
+            f"{job.seconds:.1f}"]
 
 
 def write_sweep_table(jobs: list[Job], optuna: dict | None, title: str, path: Path) -> Path:
@@ -325,8 +328,9 @@ def _draw_table(ax, jobs: list[Job], top: Job | None) -> None:
     table.auto_set_column_width(list(range(len(TABLE_COLUMNS))))
     for row, job in enumerate(jobs, start=1):
         color = BEST_COLOR if job is top else FAILED_COLOR if job.failed else None
-        for col in range(len(TABLE_COLUMNS)) if color else ():
-            table[row, col].set_facecolor(color)
+        if color:
+            for col in range(len(TABLE_COLUMNS)):
+                table[row, col].set_facecolor(color)
     _, fixed = varying(jobs)
     best_text = f"best job {top.number}: objective {top.objective:.4g}" if top else "no job logged a reward"
     every = " ".join(_short(o) for o in fixed) or "the defaults"
