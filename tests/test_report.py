@@ -136,14 +136,14 @@ def test_a_multirun_directory_gets_figures_comparing_its_jobs(short_run_dir, tmp
         assert_png(path)
     # the table: one row per job with what it varied, its objective and final metrics; the best job
     short, h200 = read_metrics(sweep / "0_trainer.lr=0.0001"), read_metrics(sweep / "1_trainer.lr=0.0003")
-    table = written[3].read_text().splitlines()
-    rows = [line.split(" | ") for line in table if line.startswith("| 0 |") or line.startswith("| 1 |")]
+    table = written[3].read_text()
+    rows = [line.split(" | ") for line in table.splitlines() if line.startswith(("| 0 |", "| 1 |"))]
     assert [row[1] for row in rows] == ["trainer.lr=0.0001", "trainer.lr=0.0003"]
     assert [float(row[2]) for row in rows] == pytest.approx([objective(short), objective(h200)], rel=1e-3)
     assert float(rows[1][4]) == pytest.approx(h200[-1]["reward/mean"], rel=1e-3)
     best_number = 0 if objective(short) >= objective(h200) else 1
     assert f"best job: {best_number} `{job_dirs(sweep)[best_number].name}`" in table
-    assert not any("Optuna" in line for line in table)  # a grid sweep has no optimization_results.yaml
+    assert "Optuna" not in table  # a grid sweep has no optimization_results.yaml
 
 
 def test_a_sweep_report_lists_a_job_that_failed_before_its_first_step(short_run_dir, tmp_path):

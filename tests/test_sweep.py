@@ -76,9 +76,10 @@ def test_the_ray_launcher_asks_for_one_gpu_per_job_in_a_fresh_worker():
 @pytest.mark.slow
 def test_an_optuna_sweep_of_4_trials_names_its_best_trial_and_a_failed_trial_does_not_end_it(tmp_path):
     sweep = tmp_path / "optuna"
-    # trainer.lr=-1 is refused by the config (before any engine): that trial fails, the sweep goes on
+    # trainer.lr=-1 is refused by the config (before any engine): that trial fails, the sweep goes
+    # on. A sweep override on the command line replaces the experiment's space for that key.
     result = multirun(sweep, "experiment=optuna_lr", "hydra.sweeper.n_trials=4",
-                      "hydra.sweeper.params.trainer.lr=choice(-1.0,0.001,0.003)",
+                      "trainer.lr=choice(-1.0,0.001,0.003)",
                       "eval.every=2", "eval.size=4")
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     assert "colo_rl: error: trainer.lr=-1.0 must be > 0" in result.stderr
