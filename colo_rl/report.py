@@ -307,10 +307,10 @@ def plot_sweep(jobs: list[Job], records: dict[str, list[dict]], optuna: dict | N
     from matplotlib.figure import Figure
 
     # laid out by hand: constrained layout cannot size an axes that holds only a table
-    fig = Figure(figsize=(13.0, 4.5 + 0.3 * len(jobs)))
+    fig = Figure(figsize=(13.0, 4.6 + 0.22 * len(jobs)))
     axes = fig.subplot_mosaic([["table", "table"], ["eval", "trials"]],
-                              height_ratios=[0.6 + 0.3 * len(jobs), 3.0],
-                              gridspec_kw={"left": 0.06, "right": 0.98, "bottom": 0.08, "top": 0.93,
+                              height_ratios=[0.3 + 0.2 * len(jobs), 3.0],
+                              gridspec_kw={"left": 0.06, "right": 0.98, "bottom": 0.11, "top": 0.93,
                                            "hspace": 0.3, "wspace": 0.2})
     top = best(jobs)
     _draw_table(axes["table"], jobs, top)
