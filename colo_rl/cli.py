@@ -140,10 +140,38 @@ def run_failure(exc: BaseException) -> BaseException | None:
     return None
 
 
+class JobFailed(Exception):
+    """A sweep job's input error or run failure, already reported on stderr, handed to a sweeper
+    that counts failed jobs (Optuna's `hydra.sweeper.max_failure_rate`) as the job's result, so
+    that it ends one trial, not the sweep. `code` is the exit code the job would have had."""
+
+    def __init__(self, code: int):
+        super().__init__(code)  # args (code,): a launcher that pickles a job's result rebuilds it
+        self.code = code
+
+    def __str__(self) -> str:
+        return f"the job stopped with exit code {self.code} (its colo_rl: error line is above)"
+
+
+def _sweeper_counts_failures() -> bool:
+    """Inside a multirun job whose sweeper records failed jobs and goes on (Optuna's): Hydra's
+    basic sweeper has no such setting and stops at the first failed job."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized():
+        return False
+    hc = HydraConfig.get()
+    return hc.mode == RunMode.MULTIRUN and "max_failure_rate" in hc.sweeper
+
+
 def exit_for(exc: BaseException, debug: bool) -> NoReturn:
     """Input errors: the one block (after the traceback with `debug`), exit code 2. A failure of
     the run (`run_failure`): its message, exit code 1, the user's own traceback if any. Anything
-    else is a bug: re-raised with its traceback."""
+    else is a bug: re-raised with its traceback. A sweep that failed on too many jobs
+    (`JobFailed`, reported as each job failed): their exit code."""
+    if isinstance(exc, JobFailed):
+        raise SystemExit(exc.code)
     message = input_error_message(exc)
     if message is None:
         shown = run_failure(exc)
@@ -162,11 +190,17 @@ def exit_for(exc: BaseException, debug: bool) -> NoReturn:
 @contextmanager
 def boundary(debug: bool = False):
     """Inside a Hydra job: an input error exits here, before Hydra adds its own report
-    ("Error executing job with overrides"), and `debug` may come from the composed config."""
+    ("Error executing job with overrides"), and `debug` may come from the composed config. In a
+    sweep that counts failed jobs, the job fails (`JobFailed`) instead of the process exiting."""
     try:
         yield
     except Exception as exc:  # noqa: BLE001 - sorts input errors from bugs, re-raises bugs
-        exit_for(exc, debug or debug_requested(sys.argv[1:]))
+        try:
+            exit_for(exc, debug or debug_requested(sys.argv[1:]))
+        except SystemExit as stop:
+            if isinstance(exc, JobFailed) or not _sweeper_counts_failures():
+                raise
+            raise JobFailed(int(stop.code)) from None
 
 
 def run_cli(entry: Callable[[], Any], argv: Sequence[str] | None = None) -> Any:

@@ -6,8 +6,15 @@ Reads RUN_DIR/metrics.jsonl and writes to RUN_DIR/report/ (or --out):
 - memory.png: free GPU memory after each event of a step (CUDA runs only: skipped on CPU);
 - reward.png: reward/mean with the reward/min..reward/max band;
 - train.png: train/loss, train/grad_norm, train/kl and train/engine_logprob_gap.
-A multirun directory (no metrics.jsonl of its own, jobs in subdirectories) gets
-reward_by_job.png and phases_by_job.png comparing its jobs instead.
+A multirun directory (no metrics.jsonl of its own, jobs in subdirectories) gets, comparing its
+jobs instead:
+- reward_by_job.png and phases_by_job.png: reward/mean per step and the mean phase seconds;
+- sweep.png: the table of each job's overrides (those that vary between jobs), objective (what
+  the job returned to the sweeper, colo_rl/sweep.py), final metrics and seconds, the best job
+  marked; the held-out eval/reward/mean of each job per step; the objective of each job in job
+  order with the best so far (for an Optuna sweep: its trials in the order they ran, failed
+  trials marked);
+- sweep.md: the same table as Markdown, and the best job (Optuna's best_params too).
 
 The metric keys below are the ones the runner logs; the W&B workspace in
 experiments/dashboards/ plots the same keys.
@@ -19,9 +26,11 @@ import argparse
 import json
 import re
 import sys
+import textwrap
 from pathlib import Path
 
 from colo_rl.metrics import PHASES, STEP_KEY, engine_starts, summary_rows
+from colo_rl.sweep import EVAL_KEY, FINAL_KEYS, Job, best, optuna_results, varying
 
 TIMING_KEYS = tuple(f"timing/{phase}_s" for phase in PHASES)
 # The phases inside a step's wall clock (timing/step_s). The engine's first start happens during
@@ -77,12 +86,20 @@ def is_multirun(run_dir: Path) -> bool:
 def job_dirs(sweep_dir: Path) -> list[Path]:
     """The job directories of a multirun that logged metrics, in job-number order."""
     jobs = [p for p in Path(sweep_dir).iterdir() if (p / "metrics.jsonl").is_file()]
+    return sorted(jobs, key=_job_number)
 
-    def job_number(path: Path) -> tuple[int, str]:
-        match = re.match(r"(\d+)", path.name)
-        return (int(match.group(1)) if match else sys.maxsize, path.name)
 
-    return sorted(jobs, key=job_number)
+def failed_job_dirs(sweep_dir: Path) -> list[Path]:
+    """The job directories of a multirun whose job stopped before logging a step (Hydra wrote
+    its overrides, colo_rl no metrics.jsonl), in job-number order."""
+    jobs = [p for p in Path(sweep_dir).iterdir()
+            if (p / ".hydra" / "overrides.yaml").is_file() and not (p / "metrics.jsonl").exists()]
+    return sorted(jobs, key=_job_number)
+
+
+def _job_number(path: Path) -> tuple[int, str]:
+    match = re.match(r"(\d+)", path.name)
+    return (int(match.group(1)) if match else sys.maxsize, path.name)
 
 
 # -- the series each figure plots ------------------------------------------------------------
@@ -238,6 +255,125 @@ def plot_phases_by_job(jobs: dict[str, list[dict]], path: Path) -> Path:
     return _save(fig, path)
 
 
+# -- the sweep: table, best job, eval curves, trials in order ---------------------------------
+
+TABLE_COLUMNS = ("job", "overrides", "objective", *FINAL_KEYS, "time_s")
+BEST_COLOR = "#fff2a8"
+FAILED_COLOR = "#f4c7c3"
+
+
+def _short(override: str) -> str:
+    """`trainer.lr=0.0012520653814999472` -> `trainer.lr=0.001252`: four significant digits."""
+    key, sep, value = override.partition("=")
+    try:
+        number = float(value)
+    except ValueError:
+        return override
+    return f"{key}{sep}{number:.4g}" if sep and not value.isdigit() else override
+
+
+def sweep_rows(jobs: list[Job]) -> list[list[str]]:
+    """One row of TABLE_COLUMNS per job: its varying overrides, objective, final metrics, seconds."""
+    varied, _ = varying(jobs)
+    return [[str(job.number if job.number is not None else job.name),
+             ", ".join(_short(o) for o in overrides) or "-", *_row_values(job)]
+            for job, overrides in zip(jobs, varied)]
+
+
+def _row_values(job: Job) -> list[str]:
+    if job.failed:
+        return ["failed", *("-" for _ in FINAL_KEYS), "-"]
+    return [f"{job.objective:.4g}", *(f"{job.final[k]:.4g}" if k in job.final else "-" for k in FINAL_KEYS),
+            f"{job.seconds:.1f}"]
+
+
+def write_sweep_table(jobs: list[Job], optuna: dict | None, title: str, path: Path) -> Path:
+    """sweep.md: the sweep's fixed overrides, the table of its jobs and the best job."""
+    _, fixed = varying(jobs)
+    lines = [f"# {title}", "",
+             f"Every job: `{' '.join(fixed)}`" if fixed else "Every job: the defaults", "",
+             "| " + " | ".join(TABLE_COLUMNS) + " |", "|" + "---|" * len(TABLE_COLUMNS)]
+    lines += ["| " + " | ".join(row) + " |" for row in sweep_rows(jobs)]
+    top = best(jobs)
+    lines += ["", f"best job: {top.number} `{top.name}` (objective {top.objective:.6g})" if top else "best job: none (no job "
+              "logged a reward)"]
+    if optuna is not None:
+        lines.append(f"Optuna best_params: {optuna.get('best_params')}, best_value: {optuna.get('best_value')}")
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def plot_sweep(jobs: list[Job], records: dict[str, list[dict]], optuna: dict | None, path: Path) -> Path:
+    from matplotlib.figure import Figure
+
+    # laid out by hand: constrained layout cannot size an axes that holds only a table
+    fig = Figure(figsize=(13.0, 4.6 + 0.22 * len(jobs)))
+    axes = fig.subplot_mosaic([["table", "table"], ["eval", "trials"]],
+                              height_ratios=[0.3 + 0.2 * len(jobs), 3.0],
+                              gridspec_kw={"left": 0.06, "right": 0.98, "bottom": 0.11, "top": 0.93,
+                                           "hspace": 0.3, "wspace": 0.2})
+    top = best(jobs)
+    _draw_table(axes["table"], jobs, top)
+    _draw_eval(axes["eval"], records)
+    _draw_trials(axes["trials"], jobs, top, optuna is not None)
+    return _save(fig, path)
+
+
+def _draw_table(ax, jobs: list[Job], top: Job | None) -> None:
+    ax.set_axis_off()
+    table = ax.table(cellText=sweep_rows(jobs), colLabels=TABLE_COLUMNS, loc="upper center",
+                     cellLoc="left", colLoc="left")
+    table.auto_set_font_size(False)
+    table.set_fontsize(8)
+    table.auto_set_column_width(list(range(len(TABLE_COLUMNS))))
+    for row, job in enumerate(jobs, start=1):
+        color = BEST_COLOR if job is top else FAILED_COLOR if job.failed else None
+        if color:
+            for col in range(len(TABLE_COLUMNS)):
+                table[row, col].set_facecolor(color)
+    _, fixed = varying(jobs)
+    best_text = f"best job {top.number}: objective {top.objective:.4g}" if top else "no job logged a reward"
+    every = " ".join(_short(o) for o in fixed) or "the defaults"
+    ax.set_title(textwrap.fill(f"{best_text} (highlighted); every job: {every}", width=160),
+                 fontsize="small", loc="left")
+
+
+def _draw_eval(ax, records: dict[str, list[dict]]) -> None:
+    for name, job_records in records.items():
+        series = line_series(job_records, (EVAL_KEY,))
+        if EVAL_KEY in series:
+            ax.plot(*series[EVAL_KEY], marker="o", label=name)
+    ax.set(title=f"{EVAL_KEY} (held-out) per job", xlabel=STEP_KEY, ylabel=EVAL_KEY)
+    if ax.lines:
+        ax.legend(title="job", fontsize="x-small")
+    else:
+        ax.text(0.5, 0.5, "no held-out evaluation (eval.every=0)", ha="center", transform=ax.transAxes)
+
+
+def _draw_trials(ax, jobs: list[Job], top: Job | None, is_optuna: bool) -> None:
+    done = [job for job in jobs if not job.failed and job.number is not None]
+    ax.plot([j.number for j in done], [j.objective for j in done], marker="o", linestyle="none",
+            label="objective")
+    running, so_far = [], float("-inf")
+    for job in done:
+        so_far = max(so_far, job.objective)
+        running.append(so_far)
+    ax.step([j.number for j in done], running, where="post", label="best so far")
+    failed = [job.number for job in jobs if job.failed and job.number is not None]
+    if failed:
+        ax.plot(failed, [min(running, default=0.0)] * len(failed), marker="x", color="red",
+                linestyle="none", label="failed")
+    if top is not None and top.number is not None:
+        ax.plot([top.number], [top.objective], marker="*", markersize=16, color="gold",
+                markeredgecolor="black", linestyle="none", label=f"best: {top.number}")
+    ax.set(title="Optuna trials in the order they ran" if is_optuna else "objective per job",
+           xlabel="trial" if is_optuna else "job", ylabel="objective (maximized)")
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.legend(fontsize="small")
+
+
 def _save(fig, path: Path) -> Path:
     from matplotlib.ticker import MaxNLocator
 
@@ -255,10 +391,7 @@ def render(run_dir: Path, out_dir: Path | None = None) -> list[Path]:
     run_dir = Path(run_dir)
     out_dir = Path(out_dir) if out_dir is not None else run_dir / "report"
     if is_multirun(run_dir):
-        jobs = {job.name: read_metrics(job) for job in job_dirs(run_dir)}
-        out_dir.mkdir(parents=True, exist_ok=True)
-        return [plot_reward_by_job(jobs, out_dir / "reward_by_job.png"),
-                plot_phases_by_job(jobs, out_dir / "phases_by_job.png")]
+        return render_sweep(run_dir, out_dir)
     records = read_metrics(run_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     written = [plot_phases(records, out_dir / "phases.png"),
@@ -266,6 +399,22 @@ def render(run_dir: Path, out_dir: Path | None = None) -> list[Path]:
                plot_reward(records, out_dir / "reward.png"),
                plot_train(records, out_dir / "train.png")]
     return [path for path in written if path is not None]
+
+
+def render_sweep(sweep_dir: Path, out_dir: Path) -> list[Path]:
+    """The figures and table comparing a multirun's jobs (module docstring)."""
+    records = {job.name: read_metrics(job) for job in job_dirs(sweep_dir)}
+    jobs = [Job.read(d, records.get(d.name, []))
+            for d in sorted([*job_dirs(sweep_dir), *failed_job_dirs(sweep_dir)], key=_job_number)]
+    optuna = optuna_results(sweep_dir)
+    # a job by its number and what it varied: its directory's name repeats every override
+    labelled = {f"{job.number}: " + ", ".join(_short(o) for o in overrides): records[job.name]
+                for job, overrides in zip(jobs, varying(jobs)[0]) if not job.failed}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return [plot_reward_by_job(labelled, out_dir / "reward_by_job.png"),
+            plot_phases_by_job(labelled, out_dir / "phases_by_job.png"),
+            plot_sweep(jobs, labelled, optuna, out_dir / "sweep.png"),
+            write_sweep_table(jobs, optuna, str(sweep_dir), out_dir / "sweep.md")]
 
 
 def main(argv: list[str] | None = None) -> int:

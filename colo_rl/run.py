@@ -44,6 +44,7 @@ from colo_rl.resolve import resolve_settings
 from colo_rl.rollout import SingleTurnRollout, final_evaluation, sample_rows
 from colo_rl.rundir import RunDirLock
 from colo_rl.signals import InterruptGuard, engine_killer
+from colo_rl.sweep import objective
 from colo_rl.switch import Switch
 from colo_rl.tasks import Task
 from colo_rl.timing import SetupStages, engine_log_status
@@ -96,8 +97,9 @@ class Components:
 
 
 def run(cfg: DictConfig, generator: VLLMGenerator | None = None) -> float:
-    """Train for `trainer.steps` steps; returns the mean reward of the last steps (for sweepers)."""
-    return train(cfg, generator).final_reward
+    """Train for `trainer.steps` steps; returns the sweep objective (colo_rl.sweep.objective: the
+    final held-out eval/reward/mean, to maximize)."""
+    return objective(train(cfg, generator).records)
 
 
 def train(cfg: DictConfig, generator: VLLMGenerator | None = None) -> RunResult:

@@ -18,6 +18,8 @@ from colo_rl.metrics import PHASES, STEP_KEY
 from colo_rl.report import (MEMORY_KEYS, REWARD_KEYS, STEP_TIMING_KEYS, TRAIN_KEYS, job_dirs,
                             line_series, memory_series, phase_series, read_metrics)
 
+from colo_rl.sweep import objective
+
 from .conftest import ROOT
 
 # A real `python -m colo_rl.run` on the lent H200 (benchmarks/RESULTS.md): memory/* keys included.
@@ -128,9 +130,36 @@ def test_a_multirun_directory_gets_figures_comparing_its_jobs(short_run_dir, tmp
     result = report(sweep)
     assert result.returncode == 0, result.stderr
     written = [Path(line) for line in result.stdout.splitlines()]
-    assert written == [sweep / "report" / "reward_by_job.png", sweep / "report" / "phases_by_job.png"]
-    for path in written:
+    assert written == [sweep / "report" / name for name in
+                       ("reward_by_job.png", "phases_by_job.png", "sweep.png", "sweep.md")]
+    for path in written[:3]:
         assert_png(path)
+    # the table: one row per job with what it varied, its objective and final metrics; the best job
+    short, h200 = read_metrics(sweep / "0_trainer.lr=0.0001"), read_metrics(sweep / "1_trainer.lr=0.0003")
+    table = written[3].read_text()
+    rows = [line.split(" | ") for line in table.splitlines() if line.startswith(("| 0 |", "| 1 |"))]
+    assert [row[1] for row in rows] == ["trainer.lr=0.0001", "trainer.lr=0.0003"]
+    assert [float(row[2]) for row in rows] == pytest.approx([objective(short), objective(h200)], rel=1e-3)
+    assert float(rows[1][4]) == pytest.approx(h200[-1]["reward/mean"], rel=1e-3)
+    best_number = 0 if objective(short) >= objective(h200) else 1
+    assert f"best job: {best_number} `{job_dirs(sweep)[best_number].name}`" in table
+    assert "Optuna" not in table  # a grid sweep has no optimization_results.yaml
+
+
+def test_a_sweep_report_lists_a_job_that_failed_before_its_first_step(short_run_dir, tmp_path):
+    sweep = tmp_path / "sweep"
+    run_copy(short_run_dir / "metrics.jsonl", sweep / "0_trainer.lr=0.001")
+    failed = sweep / "1_trainer.lr=-1.0"
+    (failed / ".hydra").mkdir(parents=True)  # what Hydra leaves of a job refused by the config
+    (failed / ".hydra" / "overrides.yaml").write_text("- trainer.lr=-1.0\n")
+    (sweep / "optimization_results.yaml").write_text(
+        "name: optuna\nbest_params:\n  trainer.lr: 0.001\nbest_value: 0.5\n")
+    assert report(sweep).returncode == 0
+    table = (sweep / "report" / "sweep.md").read_text()
+    assert "| 1 | trainer.lr=-1 | failed |" in table
+    assert "best job: 0 `0_trainer.lr=0.001`" in table
+    assert "Optuna best_params: {'trainer.lr': 0.001}, best_value: 0.5" in table
+    assert_png(sweep / "report" / "sweep.png")
 
 
 def test_a_missing_metrics_file_exits_2_naming_it(tmp_path):
