@@ -504,6 +504,9 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     output_dir: Optional[str] = None  # default: Hydra's runtime.output_dir
+    # true: a run without trainer.resume into a directory holding an earlier run's checkpoint
+    # replaces it (and drops its metrics); false: such a run is refused
+    overwrite_output_dir: bool = False
     debug: bool = False  # true: input errors show their traceback too (colo_rl.cli)
 
 

@@ -35,7 +35,7 @@ from omegaconf import DictConfig, OmegaConf
 from colo_rl.cli import boundary, run_cli
 from colo_rl.config import (ConfigError, RunConfig, SamplingConfig, package_dir, register_configs,
                             resolve_device, trainer_precision, validate)
-from colo_rl.export import export_checkpoint
+from colo_rl.export import check_export_target, export_checkpoint, export_target
 from colo_rl.generator import Rollouts, VLLMGenerator
 from colo_rl.generator.client import shared_model_dir, vllm_cache_root
 from colo_rl.lora import check_targets, load_trainer_policy
@@ -43,7 +43,7 @@ from colo_rl.metrics import SWITCH_PHASES, MetricsLogger, print_summary
 from colo_rl.models import DTYPES, load_tokenizer, prepare_model_dir
 from colo_rl.parallel import Parallel, reduce_step_metrics
 from colo_rl.planner import plan_run
-from colo_rl.rundir import RunDirLock
+from colo_rl.rundir import RunDirLock, claim
 from colo_rl.switch import Switch
 from colo_rl.tasks import Batch, Task
 from colo_rl.timing import SetupStages, StepTimer, engine_log_status, host_metrics
@@ -184,6 +184,10 @@ def _train(cfg: DictConfig, settings: RunConfig, generator: VLLMGenerator | None
     resolved = OmegaConf.to_container(cfg, resolve=True)
     if t.resume:  # before any model is built: a config the checkpoint does not fit stops here
         check_compatible(t.resume, resolved)
+    if par.is_main:  # nothing the user has is replaced: another run's checkpoint, an export target
+        claim(output_dir, cfg, t.resume, settings.overwrite_output_dir)
+        if t.export_final:
+            check_export_target(t.export_dir, output_dir, t.resume)
     device = par.device(resolve_device(t.device))
     par.shard(range(t.prompts_per_step))  # fails now, naming the key, if they do not split
     # every rank writes into rank 0's directory (Hydra names one per process, by the clock)
@@ -306,8 +310,7 @@ def _train(cfg: DictConfig, settings: RunConfig, generator: VLLMGenerator | None
             _loop(settings, task, trainer, switch, logger, guard, par, start_step, checkpoint_dir,
                   owns_generator, {"config": resolved, "model_dir": model_dir})
     if t.export_final and par.is_main:
-        export_checkpoint(checkpoint_dir, Path(t.export_dir) if t.export_dir else output_dir / "export",
-                          overwrite=True)
+        export_checkpoint(checkpoint_dir, export_target(t.export_dir, output_dir))
 
     # -- report ---------------------------------------------------------------------------
     if par.is_main:
