@@ -16,18 +16,24 @@ the same loader.
 
 from __future__ import annotations
 
+import copy
 import importlib
+import logging
 import math
 import numbers
 import os
 import re
+import reprlib
 import sys
+import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 from statistics import mean
 from typing import Callable
 
 from colo_rl.config import ConfigError
 
+log = logging.getLogger("colo_rl")
 
 def _text(completion) -> str:
     """A completion's text, whether plain or in chat format."""
@@ -106,6 +112,11 @@ def load_function(path: str, key: str = "task.rewards") -> Callable:
         raise ConfigError(f"{key}: {path!r}: module {module_name!r} does not import ({exc}); it is "
                           f"looked up on sys.path, which includes the directory the run starts from "
                           f"({cwd})") from exc
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - the user's module failed as it ran
+        where = f" ({exc.filename}, line {exc.lineno})" if isinstance(exc, SyntaxError) else ""
+        raise ConfigError(f"{key}: {path!r}: importing module {module_name!r} raised "
+                          f"{type(exc).__name__}{where}: {exc}. Fix the module (run `python -c "
+                          f"'import {module_name}'` to see its traceback)") from exc
     fn = module
     for part in attr.split("."):
         fn = getattr(fn, part, None)
@@ -132,25 +143,59 @@ def load_rewards(paths: list[str], weights: list[float]) -> list[RewardFunction]
     return loaded
 
 
+DEFAULT_TIMEOUT_S = 600.0  # task.reward_timeout_s's default (colo_rl/config.py)
+
+
 class Rewards:
     """Calls every reward function once per batch and combines them into the GRPO reward."""
 
-    def __init__(self, functions: list[RewardFunction]):
+    def __init__(self, functions: list[RewardFunction], timeout_s: float = DEFAULT_TIMEOUT_S):
         self.functions = functions
+        self.timeout_s = timeout_s
 
     def per_function(self, prompts: list, completions: list, columns: dict[str, list],
-                     where: str) -> dict[str, list[float | None]]:
+                     where: str, warn_unapplied: bool = True) -> dict[str, list[float | None]]:
         """{logged name: one value or None per completion}. Raises RewardError naming the
-        function and `where` (the step) when one raises or returns something else."""
+        function and `where` (the step) when one raises, returns something else or does not
+        return within task.reward_timeout_s. Each function gets its own copies of the inputs, so
+        one that changes them cannot change what the next one scores."""
         values = {}
         for r in self.functions:
-            try:
-                out = r.fn(prompts=prompts, completions=completions, **columns)
-            except Exception as exc:
-                raise RewardError(f"reward function {r.path} raised {type(exc).__name__} {where}: "
-                                  f"{exc}") from exc
+            out = self._call(r, copy.deepcopy(prompts), copy.deepcopy(completions), copy.deepcopy(columns),
+                             where)
             values[r.name] = _checked(r, out, len(completions), where)
+            if warn_unapplied and completions and all(v is None for v in values[r.name]):
+                log.warning("reward function %s returned None for every completion %s: it applied to "
+                            "none of them and adds nothing to their reward (logged as reward/%s_applied_frac)",
+                            r.path, where, r.name)
         return values
+
+    def _call(self, r: RewardFunction, prompts: list, completions: list, columns: dict, where: str):
+        """r.fn on a daemon thread, waited for up to timeout_s: a function that never returns
+        stops the run (its thread is left behind, and does not keep the process alive). Whatever
+        it raises, SystemExit included, is a RewardError; KeyboardInterrupt stays what it is."""
+        result: dict = {}
+
+        def call() -> None:
+            try:
+                result["value"] = r.fn(prompts=prompts, completions=completions, **columns)
+            except BaseException as exc:  # noqa: BLE001 - handed to the run's thread below
+                result["error"] = exc
+
+        thread = threading.Thread(target=call, name=f"reward {r.path}", daemon=True)
+        thread.start()
+        thread.join(self.timeout_s)
+        if thread.is_alive():
+            raise RewardError(f"reward function {r.path} did not return within task.reward_timeout_s="
+                              f"{self.timeout_s:g} s {where}: make it faster or raise "
+                              "task.reward_timeout_s (its call is left running)")
+        exc = result.get("error")
+        if isinstance(exc, KeyboardInterrupt):
+            raise exc
+        if exc is not None:
+            raise RewardError(f"reward function {r.path} raised {type(exc).__name__} {where}: "
+                              f"{exc}") from exc
+        return result["value"]
 
     def combine(self, values: dict[str, list[float | None]]) -> list[float]:
         """The weighted sum per completion; None (not applicable) is left out, as in TRL."""
@@ -164,7 +209,8 @@ class Rewards:
         engine starts, as a ConfigError naming it."""
         empty = ["" if isinstance(p, str) else [{"role": "assistant", "content": ""}] for p in prompts]
         try:
-            self.per_function(prompts, empty, columns, "on the first batch (empty completions)")
+            self.per_function(prompts, empty, columns, "on the first batch (empty completions)",
+                              warn_unapplied=False)
         except RewardError as exc:
             raise ConfigError(f"task.rewards: {exc}") from exc.__cause__
 
@@ -176,11 +222,13 @@ class Rewards:
             applied = [v for v in vals if v is not None]
             if applied:
                 out[f"{prefix}{name}"] = mean(applied)
+            elif vals:  # a function that applied to no sample of the batch: say so on the charts
+                out[f"{prefix}{name}_applied_frac"] = 0.0
         return out
 
 
 def _checked(r: RewardFunction, out, count: int, where: str) -> list[float | None]:
-    if isinstance(out, (str, bytes)) or not hasattr(out, "__len__"):
+    if isinstance(out, (str, bytes, Mapping)) or not hasattr(out, "__len__"):
         raise RewardError(f"reward function {r.path} returned {type(out).__name__} {where}: it must "
                           f"return a list of {count} numbers (or None), one per completion")
     out = list(out)
@@ -190,8 +238,16 @@ def _checked(r: RewardFunction, out, count: int, where: str) -> list[float | Non
     for i, v in enumerate(out):
         if v is None:
             continue
-        if not isinstance(v, numbers.Real) or not math.isfinite(v):
-            raise RewardError(f"reward function {r.path} returned {v!r} for completion {i} {where}: "
+        if not isinstance(v, numbers.Real) or not _finite(v):
+            raise RewardError(f"reward function {r.path} returned {reprlib.repr(v)} for completion {i} {where}: "
                               "each value must be a finite number, or None where it does not apply")
     return [None if v is None else float(v) for v in out]
 
+
+
+def _finite(v: numbers.Real) -> bool:
+    """Whether `v` is a float that is not inf or NaN (an int too large for a float is not)."""
+    try:
+        return math.isfinite(float(v))
+    except OverflowError:
+        return False

@@ -690,7 +690,7 @@ def _hydra_main(cfg: DictConfig) -> float:
 
 def main() -> None:
     """`python -m colo_rl.run [overrides]`: input errors end as one `colo_rl: error:` line."""
-    run_cli(_hydra_main)
+    run_cli(_hydra_main, whole_process=True)
 
 
 if __name__ == "__main__":

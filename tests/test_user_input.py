@@ -120,3 +120,216 @@ def test_a_run_refused_because_its_directory_is_in_use_writes_nothing_there(tmp_
         assert proc.returncode == 2, proc.stderr[-3000:]
         assert f"colo_rl: error: output_dir={run_dir} is in use by another colo_rl run" in proc.stderr
         assert tree(run_dir) == before
+
+
+# -- accepted silently -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("overrides, expected", [
+    # b259d2e: stored and ignored (the run trained at the default lr, or without LoRA)
+    (["+trainer.lrr=1e-4"], "trainer.lrr: no such key in colo_rl's config, so it would be ignored"),
+    (["+trainer.lora.rnak=8"], "trainer.lora.rnak: no such key"),
+    (["+seed=3"], "seed: no such key"),
+    # b259d2e: the engine started, and the run ended in TrainingDiverged blaming the lr
+    (["trainer.lr=inf"], "trainer.lr=inf must be a finite number"),
+    (["trainer.kl_coef=inf"], "trainer.kl_coef=inf must be a finite number"),
+    (["task.reward_weights=[nan]"], "task.reward_weights[0]=nan must be a finite number"),
+    # b259d2e: vLLM's own error after the engine started
+    (["sampling.temperature=inf"], "sampling.temperature=inf must be a finite number"),
+    (['sampling.stop=["x",""]'], "sampling.stop=['x', ''] must hold non-empty strings"),
+])
+def test_keys_added_with_plus_and_numbers_that_are_not_finite_are_refused(tmp_path, no_engine, overrides,
+                                                                           expected):
+    assert expected in refused(no_engine, tmp_path / "run", *overrides)
+
+
+def test_the_unknown_key_message_no_longer_recommends_plus(tmp_path, no_engine):
+    message = refused(no_engine, tmp_path / "run", "trainer.lrr=1e-4")
+    assert message.startswith("trainer.lrr: no such key") and "+" not in message
+
+
+def test_free_form_engine_kwargs_still_take_any_key():
+    from colo_rl.config import validate
+
+    assert validate(compose_config("+generator.engine_kwargs.block_size=16")).generator.engine_kwargs == \
+        {"block_size": 16}
+
+
+# -- dataset rows and files --------------------------------------------------------------------
+
+ROWS = {
+    # b259d2e: rendered into garbage prompts, without an error
+    "struct_prompt": ('{"prompt": {"text": "abc"}}', "prompt", "row 0 of", "is dict {'text': 'abc'}, not a string"),
+    "string_messages": ('{"m": "hello"}', "m", "row 0 of", "is str 'hello', not a non-empty list of messages"),
+    "message_without_role": ('{"m": [{"content": "hi"}]}', "m", "row 0 of",
+                             "has message 0 = dict {'content': 'hi'}, not {role: str, content: str}"),
+    # b259d2e: a traceback
+    "int_prompt": ('{"prompt": "ab"}\n{"prompt": 7}', "prompt", "row 1 of", "is int 7, not a string"),
+    "null_prompt": ('{"prompt": "ab"}\n{"prompt": null}', "prompt", "row 1 of", "is NoneType None, not a string"),
+    # b259d2e: vLLM refused the empty prompt after the engine started
+    "empty_prompt": ('{"prompt": "ab"}\n{"prompt": ""}', "prompt", "row 1 of the prompts is empty", ""),
+    "empty_file": ("", "prompt", "cannot be read as a dataset", ""),
+    "malformed_json": ('{"prompt": "ab"', "prompt", "cannot be read as a dataset", ""),
+}
+
+
+@pytest.mark.parametrize("name", ROWS)
+def test_prompts_are_checked_row_by_row_and_unreadable_data_is_one_line(tmp_path, no_engine, name):
+    text, column, where, problem = ROWS[name]
+    data = tmp_path / "data.jsonl"
+    data.write_text(text + "\n" if text else "")
+    key = "task.dataset.messages_column" if column == "m" else "task.dataset.prompt_column"
+    message = refused(no_engine, tmp_path / "run", "task=dataset", f"task.dataset.path={data}",
+                      "task.rewards=[format]", "eval.every=0",
+                      *([f"{key}={column}"] if column == "m" else []))
+    assert where in message and problem in message, message
+    if "row" in where and "empty" not in where:
+        assert message.startswith(f"{key}='{column}': "), message
+
+
+def test_an_empty_directory_or_split_is_one_line(tmp_path, no_engine):
+    (tmp_path / "empty").mkdir()
+    message = refused(no_engine, tmp_path / "run", "task=dataset", f"task.dataset.path={tmp_path / 'empty'}",
+                      "task.rewards=[format]", "eval.every=0")
+    assert message.startswith(f"task.dataset.path={tmp_path / 'empty'}: cannot be read as a dataset"), message
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"prompt": "ab"}\n')
+    message = refused(no_engine, tmp_path / "run", "task=dataset", f"task.dataset.path={data}",
+                      "task.rewards=[format]", "eval.every=0", "task.dataset.split='train[:0]'")
+    assert message.startswith("task.dataset.split='train[:0]': ") and "corresponds to no data" in message
+
+
+# -- reward functions --------------------------------------------------------------------------
+
+BAD_MODULES = {
+    "syntax_error": ("def f(prompts, completions, **kw):\n    return [1.0 for c in completions\n",
+                     "raised SyntaxError ("),
+    "raises_at_import": ("raise RuntimeError('no judge configured')\n",
+                         "raised RuntimeError: no judge configured"),
+    "exits_at_import": ("import sys\nsys.exit(3)\n", "raised SystemExit: 3"),
+}
+
+
+@pytest.mark.parametrize("name", BAD_MODULES)
+def test_a_reward_module_that_fails_to_import_is_one_line(tmp_path, no_engine, monkeypatch, name):
+    """b259d2e: the SyntaxError or the module's own exception as a traceback."""
+    source, expected = BAD_MODULES[name]
+    (tmp_path / f"{name}.py").write_text(source)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delitem(sys.modules, name, raising=False)
+    message = refused(no_engine, tmp_path / "run", f"task.rewards=[{name}:f]")
+    assert message.startswith(f"task.rewards: '{name}:f': importing module '{name}' ") and expected in message
+
+
+
+def _rewards(*fns, timeout_s: float = 600.0):
+    from colo_rl.rewards import RewardFunction, Rewards
+
+    return Rewards([RewardFunction(f"test:{f.__name__}", f.__name__, 1.0, f) for f in fns], timeout_s)
+
+
+def test_what_a_reward_function_returns_or_does_is_checked(caplog):
+    """b259d2e: a dict was read by its keys, SystemExit ended the run with exit 0, an int too
+    large for a float was a traceback, a mutation changed what the next function scored, a
+    batch of all None trained on zeros without a word, a call that never returned hung the run."""
+    import time
+
+    from colo_rl.rewards import RewardError
+
+    def as_dict(prompts, completions, **kw):
+        return {i: 1.0 for i in range(len(completions))}
+
+    def exits(prompts, completions, **kw):
+        sys.exit(0)
+
+    def huge(prompts, completions, **kw):
+        return [10 ** 400] * len(completions)
+
+    def never_returns(prompts, completions, **kw):
+        time.sleep(3600)
+
+    cases = {as_dict: "test:as_dict returned dict at step 4: it must return a list of 2 numbers",
+             exits: "test:exits raised SystemExit at step 4",
+             huge: "test:huge returned 1000000000", never_returns:
+             "test:never_returns did not return within task.reward_timeout_s=0.5 s at step 4"}
+    for fn, expected in cases.items():
+        with pytest.raises(RewardError, match=expected):
+            _rewards(fn, timeout_s=0.5).per_function(["p", "q"], ["a", "b"], {"answer": ["x", "y"]}, "at step 4")
+
+    def mutates(prompts, completions, answer, **kw):
+        completions[0] = "zzz"
+        answer.clear()
+        return [0.0] * len(completions)
+
+    def reads(prompts, completions, answer, **kw):
+        return [float(c == "a" and a == "x") for c, a in zip(completions, answer)]
+
+    def not_applicable(prompts, completions, **kw):
+        return [None] * len(completions)
+
+    completions, columns = ["a", "b"], {"answer": ["x", "y"]}
+    with caplog.at_level("WARNING", logger="colo_rl"):
+        values = _rewards(mutates, reads, not_applicable).per_function(["p", "q"], completions, columns, "at step 2")
+    assert values["reads"] == [1.0, 0.0] and completions == ["a", "b"] and columns == {"answer": ["x", "y"]}
+    assert "test:not_applicable returned None for every completion at step 2" in caplog.text
+    from colo_rl.rewards import Rewards
+
+    assert Rewards.metrics(values)["reward/not_applicable_applied_frac"] == 0.0
+
+
+LEFT_THREAD = 'threading.Thread(target=time.sleep, args=(3600,), name="judge-pool").start()  # not a daemon\n'
+USER_REWARDS = """
+import os, sys, threading, time
+
+""" + LEFT_THREAD + """
+CALLS = []
+
+def exits_at_step_one(prompts, completions, **columns):
+    CALLS.append(1)  # call 1 is the first-batch check, call k + 2 step k
+    if len(CALLS) == 3:
+        sys.exit(0)
+    return [0.0] * len(completions)
+
+def hangs_at_step_one(prompts, completions, **columns):
+    CALLS.append(1)
+    if len(CALLS) == 3:
+        time.sleep(3600)
+    return [0.0] * len(completions)
+"""
+
+
+@pytest.mark.slow
+def test_a_reward_that_exits_is_a_failure_with_a_checkpoint_and_a_left_thread_does_not_hold_the_process(
+        tmp_path):
+    """b259d2e: exit code 0 and nothing on stderr after step 0; and the module's thread kept the
+    finished process alive. Now: exit 1 naming the function and step, a checkpoint of step 1,
+    and the process ends although the thread runs on."""
+    from colo_rl.trainer.checkpoint import read_manifest
+
+    (tmp_path / "user_rewards.py").write_text(USER_REWARDS)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), WANDB_MODE="offline")
+    env.pop("HYDRA_FULL_ERROR", None)
+    proc = subprocess.run([sys.executable, "-m", "colo_rl.run", f"output_dir={tmp_path / 'run'}", "logger=none",
+                           "logger.progress=false", "trainer.steps=3", "trainer.prompts_per_step=2", "sampling.n=2",
+                           "sampling.max_tokens=4", "eval.every=0", "task.rewards=[user_rewards:exits_at_step_one]"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == ("colo_rl: error: reward function "
+                                                    "user_rewards:exits_at_step_one raised SystemExit at step 1: 0")
+    assert read_manifest(tmp_path / "run" / "checkpoint")["step"] == 1
+    assert "exiting without waiting for 1 thread(s) left running (not daemons: judge-pool)" in proc.stdout
+
+
+def test_a_reward_that_never_returns_stops_the_run_at_its_deadline_with_a_checkpoint(tmp_path, monkeypatch,
+                                                                                      engine):
+    """b259d2e: the run blocked forever."""
+    from colo_rl.rewards import RewardError
+    from colo_rl.trainer.checkpoint import read_manifest
+
+    (tmp_path / "user_rewards.py").write_text(USER_REWARDS.replace(LEFT_THREAD, ""))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delitem(sys.modules, "user_rewards", raising=False)
+    with pytest.raises(RewardError, match=r"reward function user_rewards:hangs_at_step_one did not return within "
+                                          r"task.reward_timeout_s=2 s at step 1"):
+        train(compose_config(*small_run_overrides(tmp_path / "run", "logger=none", "task.reward_timeout_s=2",
+                                                  "task.rewards=[user_rewards:hangs_at_step_one]")), engine)
+    assert read_manifest(tmp_path / "run" / "checkpoint")["step"] == 1
