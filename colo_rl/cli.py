@@ -49,6 +49,10 @@ def input_error_message(exc: BaseException) -> str | None:
     `exc` is not one (a bug, which keeps its traceback)."""
     if isinstance(exc, ConfigError):
         return str(exc)
+    if isinstance(exc, OSError) and _raised_by_hydras_job_setup(exc):
+        return (f"hydra.run.dir: cannot create the run's directory {exc.filename} ({exc.strerror}). "
+                "Give a directory this user can create (hydra.run.dir=PATH, or hydra.sweep.dir=PATH "
+                "in a multirun)")
     if isinstance(exc, ModuleNotFoundError) and exc.name and exc.name.split(".")[0] != "colo_rl":
         top = exc.name.split(".")[0]
         return (f"{top}: the package is not installed in {sys.executable}'s environment. Install "
@@ -67,6 +71,14 @@ def input_error_message(exc: BaseException) -> str | None:
     if isinstance(exc, (ConfigCompositionException, SearchPathException)):
         return _composition_message(exc)
     return None
+
+
+def _raised_by_hydras_job_setup(exc: BaseException) -> bool:
+    """Whether `exc` comes from Hydra making the job's output directory (run_job, before any
+    colo_rl code runs): the directory the user named is what is wrong."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    return any(f.name == "run_job" and f.filename.endswith(os.path.join("hydra", "core", "utils.py"))
+               for f in frames) and frames[-1].name in ("mkdir", "makedirs")
 
 
 def _lines(exc: BaseException) -> list[str]:

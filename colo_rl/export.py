@@ -71,6 +71,9 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, *, dtype:
     checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
     if lora not in LORA_FORMS:
         raise CheckpointError(f"--lora {lora}: use one of {', '.join(LORA_FORMS)}")
+    max_shard_size = _shard_size(max_shard_size)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise CheckpointError(f"{out_dir}: is a file. Give a directory for the exported model")
     manifest = verify_checkpoint(checkpoint_dir)
     if lora == "adapter" and manifest.get("kind") != "lora":
         raise CheckpointError(f"--lora adapter: {checkpoint_dir} is a full fine-tuning checkpoint "
@@ -86,8 +89,12 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, *, dtype:
                               "model directory). Export a checkpoint written by a run")
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
         raise CheckpointError(f"{out_dir}: exists and is not empty. Give a new directory, or remove it")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.partial-"))
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.partial-"))
+    except OSError as exc:  # under a regular file, or not writable
+        raise CheckpointError(f"{out_dir}: cannot be written ({exc.strerror}: {exc.filename}). Give a "
+                              "directory this user can create") from None
     try:
         trust_remote_code = bool(model_cfg.get("trust_remote_code", False))
         if lora == "adapter":
@@ -102,6 +109,20 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, *, dtype:
         raise
     log.info("exported step %s of %s as %s into %s", manifest.get("step"), checkpoint_dir, dtype, out_dir)
     return out_dir
+
+
+def _shard_size(size: str | int) -> int:
+    """--max-shard-size ("5GB", "500MB" or bytes) in bytes; CheckpointError unless positive."""
+    from transformers.utils.hub import convert_file_size_to_int
+
+    try:
+        size_bytes = convert_file_size_to_int(int(size) if str(size).isdigit() else size)
+    except ValueError:
+        size_bytes = 0
+    if size_bytes <= 0:
+        raise CheckpointError(f"--max-shard-size {size}: not a size. Give a positive size such as 5GB "
+                              "or 500MB (or a number of bytes)")
+    return size_bytes
 
 
 def _write_model(checkpoint_dir: Path, manifest: dict, hf: Path, out: Path, dtype: torch.dtype,

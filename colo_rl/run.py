@@ -678,8 +678,9 @@ def train_one_step(step: int, settings: RunConfig, task: Task, trainer: GRPOTrai
         raise TrainingDiverged(
             f"step {step}: the loss or gradient norm was not finite in {trainer.nonfinite_in_a_row} "
             f"steps in a row (trainer.max_nonfinite_steps={limit}); their updates were skipped, so the "
-            "trainer holds the last finite update's state: lower trainer.lr, or look for inf/NaN "
-            "rewards, before resuming")
+            "trainer holds the last finite update's state: lower trainer.lr (or trainer.kl_coef, "
+            "trainer.max_grad_norm), or look for inf/NaN rewards (task.rewards, task.reward_weights), "
+            "before resuming")
 
 
 @hydra.main(version_base="1.3", config_path=str(package_dir("conf")), config_name="run")

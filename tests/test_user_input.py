@@ -333,3 +333,51 @@ def test_a_reward_that_never_returns_stops_the_run_at_its_deadline_with_a_checkp
         train(compose_config(*small_run_overrides(tmp_path / "run", "logger=none", "task.reward_timeout_s=2",
                                                   "task.rewards=[user_rewards:hangs_at_step_one]")), engine)
     assert read_manifest(tmp_path / "run" / "checkpoint")["step"] == 1
+
+
+# -- input that ended in a traceback -----------------------------------------------------------
+
+def test_a_run_directory_under_a_file_is_one_line_exit_2(tmp_path):
+    """b259d2e: NotADirectoryError / FileExistsError tracebacks, from Hydra or from the lock."""
+    (tmp_path / "afile").write_text("")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("HYDRA_FULL_ERROR", None)
+    for override, expected in ((f"hydra.run.dir={tmp_path / 'afile' / 'run'}", "hydra.run.dir: cannot create "),
+                               (f"output_dir={tmp_path / 'afile' / 'run'}", f"output_dir={tmp_path / 'afile' / 'run'}: "
+                                                                             "cannot write there")):
+        proc = subprocess.run([sys.executable, "-m", "colo_rl.run", override, "logger=none"], cwd=tmp_path,
+                              env=env, capture_output=True, text=True, timeout=300)
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("colo_rl: error: ")]
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        assert len(errors) == 1 and errors[0].startswith(f"colo_rl: error: {expected}"), proc.stderr
+        assert not list(tmp_path.glob("**/engine.log"))
+
+
+def test_a_manifest_of_the_wrong_shape_is_refused_naming_it(tmp_path, no_engine):
+    """b259d2e: AttributeError ('list' object has no attribute 'get')."""
+    (tmp_path / "checkpoint").mkdir()
+    for text in ("[]", '{"files": ["model.safetensors"]}'):
+        (tmp_path / "checkpoint" / "manifest.json").write_text(text)
+        message = refused(no_engine, tmp_path / "run", f"trainer.resume={tmp_path / 'checkpoint'}")
+        assert message.startswith(f"{tmp_path / 'checkpoint' / 'manifest.json'}: not a colo_rl manifest"), message
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--max-shard-size", "huge"], "--max-shard-size huge: not a size"),
+    (["--max-shard-size=-1GB"], "--max-shard-size -1GB: not a size"),
+])
+def test_export_arguments_that_ended_in_a_traceback_are_one_line(tmp_path, capsys, args, expected):
+    """b259d2e: transformers' ValueError at save_pretrained; an export into a regular file raised
+    NotADirectoryError."""
+    from colo_rl.export import main
+
+    (tmp_path / "afile").write_text("mine")
+    for out, message in ((str(tmp_path / "out"), expected),
+                         (str(tmp_path / "afile"), f"{tmp_path / 'afile'}: is a file")):
+        with pytest.raises(SystemExit) as info:
+            main([str(tmp_path / "checkpoint"), out, *(args if out.endswith("out") else [])])
+        err = capsys.readouterr().err
+        assert info.value.code == 2 and err.strip() == f"colo_rl: error: {message}" + (
+            ". Give a positive size such as 5GB or 500MB (or a number of bytes)" if "size" in message
+            else ". Give a directory for the exported model"), err
+    assert (tmp_path / "afile").read_text() == "mine"
