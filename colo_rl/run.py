@@ -38,6 +38,7 @@ from colo_rl.config import (ConfigError, RunConfig, SamplingConfig, package_dir,
 from colo_rl.export import check_export_target, export_checkpoint, export_target
 from colo_rl.generator import Rollouts, VLLMGenerator
 from colo_rl.generator.client import shared_model_dir, vllm_cache_root
+from colo_rl.generator.process import check_engine_settings
 from colo_rl.lora import check_targets, load_trainer_policy
 from colo_rl.metrics import SWITCH_PHASES, MetricsLogger, print_summary
 from colo_rl.models import DTYPES, load_tokenizer, prepare_model_dir
@@ -203,6 +204,7 @@ def _train(cfg: DictConfig, settings: RunConfig, generator: VLLMGenerator | None
     # The memory plan: trainer.offload and generator.gpu_memory_utilization `auto` become values
     # here, and a config whose trainer or engine cannot fit is refused, before anything is built.
     plan = plan_run(settings, model_dir, device, task, show=par.is_main)
+    check_engine_settings(settings.generator, model_dir, resolve_device(settings.generator.device) == "cpu")
     if t.lora.rank > 0:  # LoRA's target modules against the model's linear layers
         check_targets(model_dir, t.lora, settings.model.trust_remote_code)
     if t.resume:  # its files' checksums and step count too, before the engine is spawned: a

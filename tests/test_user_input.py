@@ -381,3 +381,40 @@ def test_export_arguments_that_ended_in_a_traceback_are_one_line(tmp_path, capsy
             ". Give a positive size such as 5GB or 500MB (or a number of bytes)" if "size" in message
             else ". Give a directory for the exported model"), err
     assert (tmp_path / "afile").read_text() == "mine"
+
+
+# -- what vLLM refused only after the engine started -------------------------------------------
+
+def test_engine_settings_vllm_would_refuse_are_refused_before_it_starts(tmp_path, no_engine):
+    """b259d2e: vLLM's own errors once the engine had started (exit 1), or, for a staging_dir
+    that is a file, colo_rl's message only after the engine had started."""
+    (tmp_path / "afile").write_text("")
+    cases = {"generator.max_model_len=1024": "generator.max_model_len=1024 exceeds the model's "
+                                             "max_position_embeddings=512",
+             "generator.cpu_kvcache_gib=100000": "generator.cpu_kvcache_gib=100000 is more than this machine's",
+             f"generator.staging_dir={tmp_path / 'afile'}": f"generator.staging_dir={tmp_path / 'afile'} is not "
+                                                            "a writable directory"}
+    for override, expected in cases.items():
+        assert refused(no_engine, tmp_path / "run", override).startswith(expected)
+
+
+# -- leaks ---------------------------------------------------------------------------------------
+
+def test_staged_weights_of_a_dead_trainer_are_removed_when_the_next_engine_starts(tmp_path):
+    """b259d2e: a trainer killed between staging and the load left its file in /dev/shm for good."""
+    from colo_rl.generator.process import STAGED_PREFIX, EngineProcess, default_staging_dirs, worker_env
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    staging = Path(default_staging_dirs()[0])
+    stale = staging / f"{STAGED_PREFIX}{dead.pid}-{os.urandom(4).hex()}.safetensors"
+    live = staging / f"{STAGED_PREFIX}{os.getpid()}-{os.urandom(4).hex()}.safetensors"
+    for path in (stale, live):
+        path.write_bytes(b"weights")
+    process = EngineProcess(sys.executable, tmp_path / "engine.log", worker_env())
+    try:
+        process.launch()
+    finally:
+        process.kill_now()
+    assert not stale.exists() and live.exists()  # a live run's file is its own
+    live.unlink()
