@@ -418,3 +418,25 @@ def test_staged_weights_of_a_dead_trainer_are_removed_when_the_next_engine_start
         process.kill_now()
     assert not stale.exists() and live.exists()  # a live run's file is its own
     live.unlink()
+
+
+def test_a_checkpoint_is_never_written_from_weights_that_are_not_finite(tmp_path):
+    """b259d2e: after trainer.lr=inf the "last good state" checkpoint held NaN weights."""
+    import torch
+
+    from colo_rl.config import ModelConfig, TrainerConfig
+    from colo_rl.models import load_policy, write_embedded_model
+    from colo_rl.trainer import GRPOTrainer, save_checkpoint
+    from colo_rl.trainer.checkpoint import CheckpointError
+
+    model_dir = write_embedded_model(ModelConfig(), tmp_path / "model")
+    trainer = GRPOTrainer(load_policy(ModelConfig(), model_dir, "cpu"), TrainerConfig(), pad_token_id=0,
+                          temperature=1.0, max_tokens=8, device="cpu")
+    checkpoint = save_checkpoint(tmp_path / "checkpoint", trainer, {"step": 1, "sampler": {}})
+    before = tree(checkpoint)
+    with torch.no_grad():
+        next(trainer.model.parameters()).fill_(float("nan"))
+    with pytest.raises(CheckpointError, match=r"the trainer's weights are not finite \(1 tensors, .*no checkpoint "
+                                              r"written.*Lower trainer.lr or trainer.kl_coef"):
+        save_checkpoint(checkpoint, trainer, {"step": 2, "sampler": {}})
+    assert tree(checkpoint) == before
