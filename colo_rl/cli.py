@@ -215,8 +215,11 @@ def end_despite_threads(code: int) -> None:
     """Exit with `code` now (exit handlers run, output flushed) when a thread that is not a
     daemon is still running, which the interpreter would otherwise wait for, maybe forever; a
     no-op when there is none."""
-    stray = [t.name for t in threading.enumerate()
-             if t is not threading.main_thread() and not t.daemon and t.is_alive()]
+    waited_for = [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
+    for thread in waited_for:
+        if thread.name.startswith("colo_rl-"):  # colo_rl's own (a checkpoint write) ends: wait
+            thread.join()
+    stray = [t.name for t in waited_for if t.is_alive()]
     if not stray:
         return
     logging.getLogger("colo_rl").warning(

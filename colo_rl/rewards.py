@@ -24,9 +24,11 @@ import numbers
 import os
 import re
 import reprlib
+import signal
 import sys
 import threading
 from collections.abc import Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from statistics import mean
 from typing import Callable
@@ -171,31 +173,21 @@ class Rewards:
         return values
 
     def _call(self, r: RewardFunction, prompts: list, completions: list, columns: dict, where: str):
-        """r.fn on a daemon thread, waited for up to timeout_s: a function that never returns
-        stops the run (its thread is left behind, and does not keep the process alive). Whatever
-        it raises, SystemExit included, is a RewardError; KeyboardInterrupt stays what it is."""
-        result: dict = {}
-
-        def call() -> None:
-            try:
-                result["value"] = r.fn(prompts=prompts, completions=completions, **columns)
-            except BaseException as exc:  # noqa: BLE001 - handed to the run's thread below
-                result["error"] = exc
-
-        thread = threading.Thread(target=call, name=f"reward {r.path}", daemon=True)
-        thread.start()
-        thread.join(self.timeout_s)
-        if thread.is_alive():
+        """r.fn, in this thread (math-verify and other user code set signal.alarm, which only the
+        main thread may), under a deadline of timeout_s. Whatever it raises, SystemExit included,
+        is a RewardError; KeyboardInterrupt stays what it is."""
+        try:
+            with _deadline(self.timeout_s):
+                return r.fn(prompts=prompts, completions=completions, **columns)
+        except _DeadlinePassed:
             raise RewardError(f"reward function {r.path} did not return within task.reward_timeout_s="
                               f"{self.timeout_s:g} s {where}: make it faster or raise "
-                              "task.reward_timeout_s (its call is left running)")
-        exc = result.get("error")
-        if isinstance(exc, KeyboardInterrupt):
-            raise exc
-        if exc is not None:
+                              "task.reward_timeout_s") from None
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - the user's code: SystemExit is a failure too
             raise RewardError(f"reward function {r.path} raised {type(exc).__name__} {where}: "
                               f"{exc}") from exc
-        return result["value"]
 
     def combine(self, values: dict[str, list[float | None]]) -> list[float]:
         """The weighted sum per completion; None (not applicable) is left out, as in TRL."""
@@ -225,6 +217,44 @@ class Rewards:
             elif vals:  # a function that applied to no sample of the batch: say so on the charts
                 out[f"{prefix}{name}_applied_frac"] = 0.0
         return out
+
+
+class _DeadlinePassed(BaseException):
+    """Raised in the main thread when a reward call's deadline passes; a BaseException, so that
+    the user's own `except Exception` does not swallow it."""
+
+
+DEADLINE_SIGNAL = signal.SIGUSR2  # sent by a deadline's timer to the main thread
+_deadline_open = False
+
+
+def _expire(signum, frame) -> None:
+    if _deadline_open:  # a signal that arrives after its call returned is ignored
+        raise _DeadlinePassed()
+
+
+@contextmanager
+def _deadline(seconds: float):
+    """Raise _DeadlinePassed in the main thread after `seconds`: a timer thread sends it
+    DEADLINE_SIGNAL, which also interrupts a blocking call (sleep, a socket read). The handler
+    stays installed, so a late signal is always caught. Outside the main thread (no signal
+    handlers there) the call runs without a deadline."""
+    global _deadline_open
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    if signal.getsignal(DEADLINE_SIGNAL) is not _expire:
+        signal.signal(DEADLINE_SIGNAL, _expire)
+    timer = threading.Timer(seconds, signal.pthread_kill, args=(threading.main_thread().ident, DEADLINE_SIGNAL))
+    timer.daemon = True
+    _deadline_open = True
+    timer.start()
+    try:
+        yield
+    finally:
+        _deadline_open = False
+        timer.cancel()
+        timer.join()  # a signal it sent has arrived by now, and is ignored
 
 
 def _checked(r: RewardFunction, out, count: int, where: str) -> list[float | None]:

@@ -276,6 +276,17 @@ def test_what_a_reward_function_returns_or_does_is_checked(caplog):
     assert Rewards.metrics(values)["reward/not_applicable_applied_frac"] == 0.0
 
 
+
+def test_a_reward_that_sets_signal_alarm_runs_under_the_deadline():
+    """math-verify's parse and verify time themselves with signal.alarm, which only the main
+    thread may set: the deadline must not move the call to another thread."""
+    from colo_rl.rewards import math_accuracy
+
+    values = _rewards(math_accuracy, timeout_s=30).per_function(["q"] * 2, ["\\boxed{72}", "\\boxed{7}"],
+                                                                {"answer": ["#### 72"] * 2}, "at step 0")
+    assert values == {"math_accuracy": [1.0, 0.0]}
+
+
 LEFT_THREAD = 'threading.Thread(target=time.sleep, args=(3600,), name="judge-pool").start()  # not a daemon\n'
 USER_REWARDS = """
 import os, sys, threading, time
