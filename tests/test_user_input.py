@@ -451,3 +451,31 @@ def test_a_checkpoint_is_never_written_from_weights_that_are_not_finite(tmp_path
                                               r"written.*Lower trainer.lr or trainer.kl_coef"):
         save_checkpoint(checkpoint, trainer, {"step": 2, "sampler": {}})
     assert tree(checkpoint) == before
+
+
+@pytest.mark.slow
+def test_a_barrage_of_sigterms_still_removes_the_workers_socket_directory(tmp_path, tiny_model_dir):
+    """b259d2e: a second SIGTERM raised inside server.close() and skipped the cleanup, leaving
+    the authkey's directory (reproduced: SIGTERM every 0.5 ms until the worker exits)."""
+    import signal
+    import time
+
+    from colo_rl.config import GeneratorConfig
+    from colo_rl.generator import VLLMGenerator
+
+    generator = VLLMGenerator(GeneratorConfig(), model_dir=tiny_model_dir, dtype="float32", log_dir=tmp_path)
+    generator.begin_start()
+    generator.wait_started()
+    proc, socket_dir = generator.process.proc, generator.process.socket_dir
+    try:
+        deadline = time.monotonic() + 30
+        while proc.poll() is None and time.monotonic() < deadline:
+            try:
+                os.kill(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                break
+            time.sleep(0.0005)
+        assert proc.wait(30) == 143  # the worker's own exit after its cleanup
+        assert not os.path.isdir(socket_dir)
+    finally:
+        generator.process.kill_now()
