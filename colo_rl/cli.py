@@ -8,9 +8,12 @@ or `debug=true` shows the traceback of input errors too.
 
 from __future__ import annotations
 
+import atexit
+import logging
 import os
 import re
 import sys
+import threading
 import traceback
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
@@ -46,6 +49,10 @@ def input_error_message(exc: BaseException) -> str | None:
     `exc` is not one (a bug, which keeps its traceback)."""
     if isinstance(exc, ConfigError):
         return str(exc)
+    if isinstance(exc, OSError) and _raised_by_hydras_job_setup(exc):
+        return (f"hydra.run.dir: cannot create the run's directory {exc.filename} ({exc.strerror}). "
+                "Give a directory this user can create (hydra.run.dir=PATH, or hydra.sweep.dir=PATH "
+                "in a multirun)")
     if isinstance(exc, ModuleNotFoundError) and exc.name and exc.name.split(".")[0] != "colo_rl":
         top = exc.name.split(".")[0]
         return (f"{top}: the package is not installed in {sys.executable}'s environment. Install "
@@ -64,6 +71,14 @@ def input_error_message(exc: BaseException) -> str | None:
     if isinstance(exc, (ConfigCompositionException, SearchPathException)):
         return _composition_message(exc)
     return None
+
+
+def _raised_by_hydras_job_setup(exc: BaseException) -> bool:
+    """Whether `exc` comes from Hydra making the job's output directory (run_job, before any
+    colo_rl code runs): the directory the user named is what is wrong."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    return any(f.name == "run_job" and f.filename.endswith(os.path.join("hydra", "core", "utils.py"))
+               for f in frames) and frames[-1].name in ("mkdir", "makedirs")
 
 
 def _lines(exc: BaseException) -> list[str]:
@@ -95,7 +110,7 @@ def _composition_message(exc: BaseException) -> str:
         key = override.group(1)
         why = next((line for line in lines[1:] if not line.startswith("To append")), "")
         return (f"{key}: no such key ({why.rstrip('.')}). Check its spelling against "
-                f"`python -m colo_rl.run --cfg job`; a key of your own is added with +{key}=VALUE")
+                "`python -m colo_rl.run --cfg job`")
     merging = re.match(r"Error merging override (\S+)", first)
     if merging:
         key = _full_key(exc) or merging.group(1).split("=")[0]
@@ -203,8 +218,11 @@ def boundary(debug: bool = False):
             raise JobFailed(int(stop.code)) from None
 
 
-def run_cli(entry: Callable[[], Any], argv: Sequence[str] | None = None) -> Any:
-    """Run `entry` (a Hydra main or an argparse main) at the command-line boundary."""
+def run_cli(entry: Callable[[], Any], argv: Sequence[str] | None = None, *,
+            whole_process: bool = False) -> Any:
+    """Run `entry` (a Hydra main or an argparse main) at the command-line boundary.
+    `whole_process`: `entry` is all this process does, so it ends when `entry` does, even where
+    user code (a reward module) left a thread running that is not a daemon."""
     argv = sys.argv[1:] if argv is None else argv
     # Hydra prints its own trimmed traceback for an error in composition unless
     # HYDRA_FULL_ERROR=1, in which case it re-raises: set it so that the error reaches us.
@@ -212,9 +230,37 @@ def run_cli(entry: Callable[[], Any], argv: Sequence[str] | None = None) -> Any:
     os.environ["HYDRA_FULL_ERROR"] = "1"
     try:
         with boundary(debug_requested(argv)):
-            return entry()
+            result = entry()
+    except SystemExit as exc:
+        if whole_process:
+            end_despite_threads(exc.code if isinstance(exc.code, int) else int(exc.code is not None))
+        raise
     finally:
         if previous is None:
             os.environ.pop("HYDRA_FULL_ERROR", None)
         else:
             os.environ["HYDRA_FULL_ERROR"] = previous
+    if whole_process:
+        end_despite_threads(0)
+    return result
+
+
+def end_despite_threads(code: int) -> None:
+    """Exit with `code` now (exit handlers run, output flushed) when a thread that is not a
+    daemon is still running, which the interpreter would otherwise wait for, maybe forever; a
+    no-op when there is none."""
+    waited_for = [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
+    for thread in waited_for:
+        if thread.name.startswith("colo_rl-"):  # colo_rl's own (a checkpoint write) ends: wait
+            thread.join()
+    stray = [t.name for t in waited_for if t.is_alive()]
+    if not stray:
+        return
+    logging.getLogger("colo_rl").warning(
+        "exiting without waiting for %d thread(s) left running (not daemons: %s); a reward "
+        "module's own, most likely", len(stray), ", ".join(stray))
+    atexit._run_exitfuncs()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

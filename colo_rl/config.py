@@ -145,6 +145,8 @@ class SamplingConfig(Freezable):
         _check(self.top_k == -1 or self.top_k >= 1, "sampling.top_k", self.top_k, "must be -1 or >= 1")
         _check(self.max_tokens >= 1, "sampling.max_tokens", self.max_tokens, "must be >= 1")
         _one_of("sampling.seed_scope", self.seed_scope, ("batch", "prompt"))
+        _check(all(isinstance(x, str) and x for x in self.stop), "sampling.stop", self.stop,
+               "must hold non-empty strings (vLLM refuses an empty stop string)")
         _check(self.logprobs_every is None or self.logprobs_every >= 1, "sampling.logprobs_every",
                self.logprobs_every, "must be null (auto) or >= 1")
         if self.temperature == 0:
@@ -413,6 +415,7 @@ class TrainerConfig(Freezable):
         _check(self.logprob_recompute == "auto" or isinstance(self.logprob_recompute, bool),
                "trainer.logprob_recompute", self.logprob_recompute, "must be true, false or auto")
         _check(self.lr > 0, "trainer.lr", self.lr, "must be > 0")
+        _check(self.weight_decay >= 0, "trainer.weight_decay", self.weight_decay, "must be >= 0")
         _check(self.max_grad_norm > 0, "trainer.max_grad_norm", self.max_grad_norm, "must be > 0")
         _check(0 < self.clip_eps < 1, "trainer.clip_eps", self.clip_eps, "must be in (0, 1)")
         _one_of("trainer.advantage_std", self.advantage_std, ("unbiased", "population"))
@@ -489,6 +492,9 @@ class TaskConfig(Freezable):
     # the last this share of sampling.max_tokens costs up to task.overlong_penalty (DAPO: 0.2, 1.0)
     overlong_buffer: float = 0.0
     overlong_penalty: float = 1.0
+    # seconds one reward function's call may take on one batch; past it the run stops naming the
+    # function, with a checkpoint of the steps done (a function that never returns would hang it)
+    reward_timeout_s: float = 600.0
     # longer prompts are skipped (counted and logged); null: generator.max_model_len - sampling.max_tokens
     max_prompt_tokens: Optional[int] = None
     seed: int = 0  # the order prompts are drawn in (shuffled epochs), and the toys' rows
@@ -504,6 +510,7 @@ class TaskConfig(Freezable):
         _check(not self.reward_weights or len(self.reward_weights) == len(self.rewards),
                "task.reward_weights", self.reward_weights,
                f"must give one weight per task.rewards entry ({len(self.rewards)}), or be empty")
+        _check(self.reward_timeout_s > 0, "task.reward_timeout_s", self.reward_timeout_s, "must be > 0")
         if self.max_prompt_tokens is not None:
             _check(self.max_prompt_tokens >= 1, "task.max_prompt_tokens", self.max_prompt_tokens,
                    "must be >= 1 (or null)")
@@ -566,6 +573,9 @@ class RunConfig(Freezable):
     eval: EvalConfig = field(default_factory=EvalConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     output_dir: Optional[str] = None  # default: Hydra's runtime.output_dir
+    # true: a run without trainer.resume into a directory holding an earlier run's checkpoint
+    # replaces it (and drops its metrics); false: such a run is refused
+    overwrite_output_dir: bool = False
     debug: bool = False  # true: input errors show their traceback too (colo_rl.cli)
 
 
@@ -597,6 +607,7 @@ def validate(cfg: DictConfig | RunConfig) -> RunConfig:
     if isinstance(cfg, RunConfig):
         settings = cfg
     else:
+        _refuse_added_keys(cfg)
         try:
             settings = OmegaConf.to_object(cfg)
         except ConfigError:
@@ -609,6 +620,7 @@ def validate(cfg: DictConfig | RunConfig) -> RunConfig:
             if isinstance(cause, ConfigError):
                 raise cause from None
             raise
+    _check_finite(settings)
     s, g, t = settings.sampling, settings.generator, settings.trainer
     if t.advantage_norm == "std":
         _check(s.n >= 2, "sampling.n", s.n,
@@ -648,6 +660,48 @@ def validate(cfg: DictConfig | RunConfig) -> RunConfig:
     if g.python:
         check_engine_python(g.python)
     return settings
+
+
+def _refuse_added_keys(cfg: DictConfig) -> None:
+    """A key the schema does not have, added with `+key=value` (Hydra lets `+` past the schema),
+    would be stored and ignored: refused, naming it. Free-form dicts (generator.engine_kwargs)
+    take any key."""
+    for key in _added_keys(cfg, ""):
+        raise ConfigError(f"{key}: no such key in colo_rl's config, so it would be ignored. Check its "
+                          "spelling against `python -m colo_rl.run --cfg job` (a key is set as "
+                          "group.key=VALUE, without +)")
+
+
+def _added_keys(node: DictConfig, prefix: str):
+    import dataclasses
+
+    schema = OmegaConf.get_type(node)
+    if not dataclasses.is_dataclass(schema):
+        return
+    fields = {f.name for f in dataclasses.fields(schema)}
+    for key in node.keys():
+        if key not in fields:
+            yield f"{prefix}{key}"
+            continue
+        child = node._get_node(key)
+        if isinstance(child, DictConfig) and not child._is_none() and not child._is_missing():
+            yield from _added_keys(child, f"{prefix}{key}.")
+
+
+def _check_finite(obj: Any, prefix: str = "") -> None:
+    """Every float of the config (and of its lists) is finite: an inf or NaN passes every range
+    check written as a comparison (inf > 0), and would reach the engine or the optimizer."""
+    import dataclasses
+    import math
+
+    for f in dataclasses.fields(obj):
+        value, key = getattr(obj, f.name), f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value):
+            _check_finite(value, f"{key}.")
+        items = enumerate(value) if isinstance(value, list) else [(None, value)]
+        for i, item in items:
+            if isinstance(item, float) and not math.isfinite(item):
+                raise ConfigError(f"{key}{'' if i is None else f'[{i}]'}={item} must be a finite number")
 
 
 def trainer_precision(settings: RunConfig) -> str:

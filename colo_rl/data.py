@@ -58,15 +58,34 @@ def load_split(cfg: DatasetConfig, split: str, key: str):
     source = _resolve(cfg.path)
     try:
         if source.is_file():
-            return datasets.load_dataset(FILE_BUILDERS[source.suffix.lower()], data_files=str(source),
-                                         split=split)
-        if (source / "dataset_info.json").is_file() or (source / "dataset_dict.json").is_file():
-            return _from_disk(source, split, key)
-        return datasets.load_dataset(str(source), split=split)
-    except ValueError as exc:
-        if "split" in str(exc).lower():
-            raise ConfigError(f"{key}={split!r}: {exc} (task.dataset.path={cfg.path})") from exc
+            loaded = datasets.load_dataset(FILE_BUILDERS[source.suffix.lower()], data_files=str(source),
+                                           split=split)
+        elif (source / "dataset_info.json").is_file() or (source / "dataset_dict.json").is_file():
+            loaded = _from_disk(source, split, key)
+        else:
+            loaded = datasets.load_dataset(str(source), split=split)
+    except ConfigError:
         raise
+    except ValueError as exc:
+        if "split" in str(exc).lower() or "instruction" in str(exc).lower():  # "train[:0]" names no rows
+            raise ConfigError(f"{key}={split!r}: {exc} (task.dataset.path={cfg.path})") from exc
+        raise _unreadable(cfg.path, exc) from exc
+    except Exception as exc:  # noqa: BLE001 - datasets and pyarrow raise many kinds for bad files
+        raise _unreadable(cfg.path, exc) from exc
+    if len(loaded) == 0:
+        raise ConfigError(f"{key}={split!r} of task.dataset.path={cfg.path} has no rows: give a "
+                          "split (or file) that holds prompts")
+    return loaded
+
+
+def _unreadable(path: str, exc: BaseException) -> ConfigError:
+    """A file or directory that `datasets` cannot read (empty, malformed, no data files)."""
+    first = (str(exc).strip().splitlines() or [""])[0]
+    cause = exc.__cause__ or exc.__context__
+    if cause is not None and str(cause).strip():
+        first += f"; {str(cause).strip().splitlines()[0]}"
+    return ConfigError(f"task.dataset.path={path}: cannot be read as a dataset ({type(exc).__name__}: "
+                       f"{first}). Give a JSON/JSONL/CSV/Parquet file of rows, or a save_to_disk directory")
 
 
 def _from_disk(source: Path, split: str, key: str):
@@ -120,6 +139,34 @@ def check_columns(dataset, columns: list[str], keys: list[str], where: str) -> N
         if column not in dataset.column_names:
             raise ConfigError(f"{key}={column!r} is not a column of {where}: its columns are "
                               f"{', '.join(dataset.column_names)}")
+
+
+def check_prompts(dataset, column: str, chat: bool, key: str, where: str) -> None:
+    """Every row's prompt is a string (a list of {role, content} messages under
+    task.dataset.messages_column): anything else would be rendered into a garbage prompt, or
+    stop the run later in the tokenizer or the engine. The error names the row."""
+    for row, value in enumerate(dataset[column]):
+        problem = _message_problem(value) if chat else (
+            None if isinstance(value, str) else f"is {_describe(value)}, not a string")
+        if problem:
+            form = "a list of {role, content} messages" if chat else "a string"
+            raise ConfigError(f"{key}={column!r}: row {row} of {where} {problem}. Every prompt must be "
+                              f"{form}: fix the data, or name another column")
+
+
+def _message_problem(value) -> str | None:
+    if not isinstance(value, list) or not value:
+        return f"is {_describe(value)}, not a non-empty list of messages"
+    for i, message in enumerate(value):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str) \
+                or not isinstance(message.get("content"), str):
+            return f"has message {i} = {_describe(message)}, not {{role: str, content: str}}"
+    return None
+
+
+def _describe(value) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text[:60] + '...' if len(text) > 60 else text}"
 
 
 class PromptSampler:

@@ -27,12 +27,36 @@ import torch
 from colo_rl.cli import run_cli
 from colo_rl.lora import checkpoint_policy
 from colo_rl.models import DTYPES
+from colo_rl.config import ConfigError
 from colo_rl.trainer.checkpoint import (HF_DIR, CheckpointError, read_config, replace_directory,
                                         verify_checkpoint)
 
 log = logging.getLogger("colo_rl")
 DEFAULT_MAX_SHARD_SIZE = "5GB"  # the Hub's usual shard size
 LORA_FORMS = ("merged", "adapter")
+
+
+def export_target(export_dir: str | None, output_dir: Path) -> Path:
+    """Where trainer.export_final writes: trainer.export_dir, or OUTPUT_DIR/export."""
+    return Path(export_dir) if export_dir else output_dir / "export"
+
+
+def check_export_target(export_dir: str | None, output_dir: Path, resume: str | None = None) -> None:
+    """trainer.export_final's target, before the engine starts: nothing the user has is replaced.
+    A target that exists and is not empty is refused (as `python -m colo_rl.export` refuses it),
+    and so is one that is, or holds, the run directory, its checkpoint or the one it resumes from."""
+    target = export_target(export_dir, output_dir).resolve()
+    key = f"trainer.export_dir={export_dir}" if export_dir else f"trainer.export_final (into {target})"
+    for name, kept in (("the run directory", output_dir), ("its checkpoint", output_dir / "checkpoint"),
+                       ("trainer.resume", Path(resume) if resume else None)):
+        if kept is not None and (target == kept.resolve() or target in kept.resolve().parents):
+            raise ConfigError(f"{key}: is or holds {name} ({kept}), which the export would replace. "
+                              "Give trainer.export_dir a new directory of its own")
+    if target.is_dir() and any(target.iterdir()):
+        raise ConfigError(f"{key}: {target} exists and is not empty, and the export would replace it. "
+                          "Give trainer.export_dir a new directory, or remove that one")
+    if target.exists() and not target.is_dir():
+        raise ConfigError(f"{key}: {target} is a file. Give trainer.export_dir a directory")
 
 
 def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, *, dtype: str | None = None,
@@ -47,6 +71,9 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, *, dtype:
     checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
     if lora not in LORA_FORMS:
         raise CheckpointError(f"--lora {lora}: use one of {', '.join(LORA_FORMS)}")
+    max_shard_size = _shard_size(max_shard_size)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise CheckpointError(f"{out_dir}: is a file. Give a directory for the exported model")
     manifest = verify_checkpoint(checkpoint_dir)
     if lora == "adapter" and manifest.get("kind") != "lora":
         raise CheckpointError(f"--lora adapter: {checkpoint_dir} is a full fine-tuning checkpoint "
@@ -62,8 +89,12 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, *, dtype:
                               "model directory). Export a checkpoint written by a run")
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
         raise CheckpointError(f"{out_dir}: exists and is not empty. Give a new directory, or remove it")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.partial-"))
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.partial-"))
+    except OSError as exc:  # under a regular file, or not writable
+        raise CheckpointError(f"{out_dir}: cannot be written ({exc.strerror}: {exc.filename}). Give a "
+                              "directory this user can create") from None
     try:
         trust_remote_code = bool(model_cfg.get("trust_remote_code", False))
         if lora == "adapter":
@@ -78,6 +109,20 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, *, dtype:
         raise
     log.info("exported step %s of %s as %s into %s", manifest.get("step"), checkpoint_dir, dtype, out_dir)
     return out_dir
+
+
+def _shard_size(size: str | int) -> int:
+    """--max-shard-size ("5GB", "500MB" or bytes) in bytes; CheckpointError unless positive."""
+    from transformers.utils.hub import convert_file_size_to_int
+
+    try:
+        size_bytes = convert_file_size_to_int(int(size) if str(size).isdigit() else size)
+    except ValueError:
+        size_bytes = 0
+    if size_bytes <= 0:
+        raise CheckpointError(f"--max-shard-size {size}: not a size. Give a positive size such as 5GB "
+                              "or 500MB (or a number of bytes)")
+    return size_bytes
 
 
 def _write_model(checkpoint_dir: Path, manifest: dict, hf: Path, out: Path, dtype: torch.dtype,

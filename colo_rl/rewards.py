@@ -21,19 +21,27 @@ name them get them.
 
 from __future__ import annotations
 
+import copy
 import importlib
 import inspect
+import logging
 import math
 import numbers
 import os
 import re
+import reprlib
+import signal
 import sys
+import threading
+from collections.abc import Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from statistics import mean
 from typing import Callable
 
 from colo_rl.config import ConfigError
 
+log = logging.getLogger("colo_rl")
 
 def _text(completion) -> str:
     """A completion's text, whether plain or in chat format."""
@@ -125,6 +133,11 @@ def load_function(path: str, key: str = "task.rewards", builtin: dict[str, str] 
         raise ConfigError(f"{key}: {path!r}: module {module_name!r} does not import ({exc}); it is "
                           f"looked up on sys.path, which includes the directory the run starts from "
                           f"({cwd})") from exc
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - the user's module failed as it ran
+        where = f" ({exc.filename}, line {exc.lineno})" if isinstance(exc, SyntaxError) else ""
+        raise ConfigError(f"{key}: {path!r}: importing module {module_name!r} raised "
+                          f"{type(exc).__name__}{where}: {exc}. Fix the module (run `python -c "
+                          f"'import {module_name}'` to see its traceback)") from exc
     fn = module
     for part in attr.split("."):
         fn = getattr(fn, part, None)
@@ -153,28 +166,54 @@ def load_rewards(paths: list[str], weights: list[float]) -> list[RewardFunction]
     return loaded
 
 
+DEFAULT_TIMEOUT_S = 600.0  # task.reward_timeout_s's default (colo_rl/config.py)
+
+
 class Rewards:
     """Calls every reward function once per batch and combines them into the GRPO reward."""
 
-    def __init__(self, functions: list[RewardFunction], context: dict | None = None):
+    def __init__(self, functions: list[RewardFunction], context: dict | None = None,
+                 timeout_s: float = DEFAULT_TIMEOUT_S):
         self.functions = functions
         self.context = context or {}  # the run's CONTEXT values (max_tokens, overlong_buffer)
+        self.timeout_s = timeout_s
 
-    def per_function(self, prompts: list, completions: list, columns: dict[str, list],
-                     where: str, completion_ids: list[list[int]] | None = None) -> dict[str, list[float | None]]:
+    def per_function(self, prompts: list, completions: list, columns: dict[str, list], where: str,
+                     completion_ids: list[list[int]] | None = None,
+                     warn_unapplied: bool = True) -> dict[str, list[float | None]]:
         """{logged name: one value or None per completion}. Raises RewardError naming the
-        function and `where` (the step) when one raises or returns something else."""
+        function and `where` (the step) when one raises, returns something else or does not
+        return within task.reward_timeout_s. Each function gets its own copies of the inputs, so
+        one that changes them cannot change what the next one scores."""
         values = {}
         context = {**self.context, "completion_ids": completion_ids}
         for r in self.functions:
-            try:
-                out = r.fn(prompts=prompts, completions=completions, **columns,
-                           **{name: context[name] for name in r.context})
-            except Exception as exc:
-                raise RewardError(f"reward function {r.path} raised {type(exc).__name__} {where}: "
-                                  f"{exc}") from exc
+            extra = {name: context[name] for name in r.context}
+            out = self._call(r, copy.deepcopy(prompts), copy.deepcopy(completions),
+                             {**copy.deepcopy(columns), **copy.deepcopy(extra)}, where)
             values[r.name] = _checked(r, out, len(completions), where)
+            if warn_unapplied and completions and all(v is None for v in values[r.name]):
+                log.warning("reward function %s returned None for every completion %s: it applied to "
+                            "none of them and adds nothing to their reward (logged as reward/%s_applied_frac)",
+                            r.path, where, r.name)
         return values
+
+    def _call(self, r: RewardFunction, prompts: list, completions: list, columns: dict, where: str):
+        """r.fn, in this thread (math-verify and other user code set signal.alarm, which only the
+        main thread may), under a deadline of timeout_s. Whatever it raises, SystemExit included,
+        is a RewardError; KeyboardInterrupt stays what it is."""
+        try:
+            with _deadline(self.timeout_s):
+                return r.fn(prompts=prompts, completions=completions, **columns)
+        except _DeadlinePassed:
+            raise RewardError(f"reward function {r.path} did not return within task.reward_timeout_s="
+                              f"{self.timeout_s:g} s {where}: make it faster or raise "
+                              "task.reward_timeout_s") from None
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - the user's code: SystemExit is a failure too
+            raise RewardError(f"reward function {r.path} raised {type(exc).__name__} {where}: "
+                              f"{exc}") from exc
 
     def combine(self, values: dict[str, list[float | None]]) -> list[float]:
         """The weighted sum per completion; None (not applicable) is left out, as in TRL."""
@@ -188,7 +227,8 @@ class Rewards:
         engine starts, as a ConfigError naming it."""
         empty = ["" if isinstance(p, str) else [{"role": "assistant", "content": ""}] for p in prompts]
         try:
-            self.per_function(prompts, empty, columns, "on the first batch (empty completions)", [[] for _ in prompts])
+            self.per_function(prompts, empty, columns, "on the first batch (empty completions)",
+                              [[] for _ in prompts], warn_unapplied=False)
         except RewardError as exc:
             raise ConfigError(f"task.rewards: {exc}") from exc.__cause__
 
@@ -200,6 +240,8 @@ class Rewards:
             applied = [v for v in vals if v is not None]
             if applied:
                 out[f"{prefix}{name}"] = mean(applied)
+            elif vals:  # a function that applied to no sample of the batch: say so on the charts
+                out[f"{prefix}{name}_applied_frac"] = 0.0
         return out
 
 
@@ -213,8 +255,46 @@ def _context_names(fn: Callable) -> tuple[str, ...]:
                  and parameters[name].kind is not inspect.Parameter.VAR_KEYWORD)
 
 
+class _DeadlinePassed(BaseException):
+    """Raised in the main thread when a reward call's deadline passes; a BaseException, so that
+    the user's own `except Exception` does not swallow it."""
+
+
+DEADLINE_SIGNAL = signal.SIGUSR2  # sent by a deadline's timer to the main thread
+_deadline_open = False
+
+
+def _expire(signum, frame) -> None:
+    if _deadline_open:  # a signal that arrives after its call returned is ignored
+        raise _DeadlinePassed()
+
+
+@contextmanager
+def _deadline(seconds: float):
+    """Raise _DeadlinePassed in the main thread after `seconds`: a timer thread sends it
+    DEADLINE_SIGNAL, which also interrupts a blocking call (sleep, a socket read). The handler
+    stays installed, so a late signal is always caught. Outside the main thread (no signal
+    handlers there) the call runs without a deadline."""
+    global _deadline_open
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    if signal.getsignal(DEADLINE_SIGNAL) is not _expire:
+        signal.signal(DEADLINE_SIGNAL, _expire)
+    timer = threading.Timer(seconds, signal.pthread_kill, args=(threading.main_thread().ident, DEADLINE_SIGNAL))
+    timer.daemon = True
+    _deadline_open = True
+    timer.start()
+    try:
+        yield
+    finally:
+        _deadline_open = False
+        timer.cancel()
+        timer.join()  # a signal it sent has arrived by now, and is ignored
+
+
 def _checked(r: RewardFunction, out, count: int, where: str) -> list[float | None]:
-    if isinstance(out, (str, bytes)) or not hasattr(out, "__len__"):
+    if isinstance(out, (str, bytes, Mapping)) or not hasattr(out, "__len__"):
         raise RewardError(f"reward function {r.path} returned {type(out).__name__} {where}: it must "
                           f"return a list of {count} numbers (or None), one per completion")
     out = list(out)
@@ -224,8 +304,16 @@ def _checked(r: RewardFunction, out, count: int, where: str) -> list[float | Non
     for i, v in enumerate(out):
         if v is None:
             continue
-        if not isinstance(v, numbers.Real) or not math.isfinite(v):
-            raise RewardError(f"reward function {r.path} returned {v!r} for completion {i} {where}: "
+        if not isinstance(v, numbers.Real) or not _finite(v):
+            raise RewardError(f"reward function {r.path} returned {reprlib.repr(v)} for completion {i} {where}: "
                               "each value must be a finite number, or None where it does not apply")
     return [None if v is None else float(v) for v in out]
 
+
+
+def _finite(v: numbers.Real) -> bool:
+    """Whether `v` is a float that is not inf or NaN (an int too large for a float is not)."""
+    try:
+        return math.isfinite(float(v))
+    except OverflowError:
+        return False

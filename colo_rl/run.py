@@ -32,9 +32,11 @@ from omegaconf import DictConfig, OmegaConf
 from colo_rl.checkpoint_policy import CheckpointPolicy
 from colo_rl.cli import boundary, run_cli
 from colo_rl.config import ConfigError, RunConfig, package_dir, register_configs, resolve_device, trainer_precision, validate
-from colo_rl.export import export_checkpoint
+from colo_rl.export import check_export_target, export_checkpoint, export_target
 from colo_rl.generator import VLLMGenerator
 from colo_rl.generator.client import shared_model_dir, vllm_cache_root
+from colo_rl.generator.process import check_engine_settings
+from colo_rl.generator.process import check_engine_settings
 from colo_rl.lora import check_targets, load_trainer_policy
 from colo_rl.metrics import MetricsLogger, print_summary, step_metrics
 from colo_rl.models import DTYPES, load_tokenizer, prepare_model_dir
@@ -42,7 +44,7 @@ from colo_rl.parallel import Parallel, reduce_step_metrics
 from colo_rl.planner import Plan
 from colo_rl.resolve import resolve_settings
 from colo_rl.rollout import SingleTurnRollout, final_evaluation, sample_rows
-from colo_rl.rundir import RunDirLock
+from colo_rl.rundir import RunDirLock, claim
 from colo_rl.signals import InterruptGuard, engine_killer
 from colo_rl.sweep import objective
 from colo_rl.switch import Switch
@@ -176,6 +178,10 @@ class Run:
         self.composed = OmegaConf.to_container(self.cfg, resolve=True)
         if t.resume:  # before any model is built: a config the checkpoint does not fit stops here
             check_compatible(t.resume, self.composed)
+        if par.is_main:  # nothing the user has is replaced: another run's checkpoint, an export target
+            claim(self.output_dir, self.cfg, t.resume, settings.overwrite_output_dir)
+            if t.export_final:
+                check_export_target(t.export_dir, self.output_dir, t.resume)
         self.device = device = par.device(resolve_device(t.device))
         par.shard(range(t.prompts_per_step))  # fails now, naming the key, if they do not split
         # every rank writes into rank 0's directory (Hydra names one per process, by the clock)
@@ -191,6 +197,7 @@ class Run:
         self.resolved = resolve_settings(settings, model_dir=model_dir, device=device, task=task)
         self.settings = settings = self.resolved.settings
         plan = self.resolved.plan
+        check_engine_settings(settings.generator, model_dir, resolve_device(settings.generator.device) == "cpu")
         if par.is_main:
             print(plan.table(), self.resolved.table(), sep="\n", flush=True)
             self.resolved.write(output_dir)
@@ -365,8 +372,7 @@ class Run:
     def export(self) -> None:
         """trainer.export_final: the final checkpoint as a Hugging Face model directory."""
         t = self.settings.trainer
-        export_checkpoint(self.output_dir / "checkpoint", Path(t.export_dir) if t.export_dir else self.output_dir / "export",
-                          overwrite=True)
+        export_checkpoint(self.output_dir / "checkpoint", export_target(t.export_dir, self.output_dir))
 
     def report(self, p: Components) -> RunResult:
         """The summary table, and what the run returns."""
@@ -386,8 +392,9 @@ def _check_finite(trainer: GRPOTrainer, step: int, limit: int) -> None:
         raise TrainingDiverged(
             f"step {step}: the loss or gradient norm was not finite in {trainer.nonfinite_in_a_row} "
             f"steps in a row (trainer.max_nonfinite_steps={limit}); their updates were skipped, so the "
-            "trainer holds the last finite update's state: lower trainer.lr, or look for inf/NaN "
-            "rewards, before resuming")
+            "trainer holds the last finite update's state: lower trainer.lr (or trainer.kl_coef, "
+            "trainer.max_grad_norm), or look for inf/NaN rewards (task.rewards, task.reward_weights), "
+            "before resuming")
 
 
 def _build_trainer(settings: RunConfig, policy: torch.nn.Module, device: str, par: Parallel, tokenizer,
@@ -423,7 +430,7 @@ def _hydra_main(cfg: DictConfig) -> float:
 
 def main() -> None:
     """`python -m colo_rl.run [overrides]`: input errors end as one `colo_rl: error:` line."""
-    run_cli(_hydra_main)
+    run_cli(_hydra_main, whole_process=True)
 
 
 if __name__ == "__main__":

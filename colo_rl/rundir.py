@@ -14,6 +14,7 @@ from colo_rl.config import ConfigError
 log = logging.getLogger("colo_rl")
 
 LOCK_NAME = ".colo_rl.lock"
+HYDRA_RECORD = ".hydra"  # what hydra.output_subdir used to name
 
 
 class RunDirInUse(ConfigError):
@@ -33,8 +34,13 @@ class RunDirLock:
         self._fd: int | None = None
 
     def __enter__(self) -> "RunDirLock":
-        self.output_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:  # under a regular file, or not writable
+            raise ConfigError(f"output_dir={self.output_dir}: cannot write there ({exc.strerror}: "
+                              f"{exc.filename}). Give a directory this user can create and write "
+                              "(output_dir=PATH or hydra.run.dir=PATH)") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -52,6 +58,54 @@ class RunDirLock:
         if self._fd is not None:
             os.close(self._fd)  # closing the only descriptor releases the flock
             self._fd = None
+
+
+def claim(output_dir: Path, cfg, resume: str | None, overwrite: bool) -> None:
+    """Called once the run holds `output_dir`'s lock, before anything is written into it: refuses a
+    directory whose checkpoint another run wrote (this run would replace it and drop its metrics)
+    unless this run resumes (`trainer.resume`) or is told to (`overwrite_output_dir=true`); then
+    saves Hydra's record of the job there (conf/hydra/default.yaml turns Hydra's own writing off:
+    it wrote before any lock was taken, into the directory of a live run too)."""
+    manifest = output_dir / "checkpoint" / "manifest.json"
+    if manifest.is_file() and resume is None and not overwrite:
+        raise ConfigError(f"output_dir={output_dir} holds the checkpoint of an earlier run "
+                          f"({manifest.parent}), which this run would replace: continue it with "
+                          f"trainer.resume={manifest.parent}, give this run another output_dir, or "
+                          "replace it (and its metrics) with overwrite_output_dir=true")
+    _save_hydra_record(output_dir, cfg)
+
+
+def _save_hydra_record(output_dir: Path, cfg) -> None:
+    """OUTPUT_DIR/.hydra/{config,hydra,overrides}.yaml, as Hydra's run_job writes them."""
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
+
+    if not HydraConfig.initialized():
+        return
+    hydra_cfg = HydraConfig.get()
+    _log_to(output_dir / f"{hydra_cfg.job.name}.log", hydra_cfg.job_logging)
+    record = output_dir / HYDRA_RECORD
+    record.mkdir(exist_ok=True)
+    for name, node in (("config.yaml", cfg), ("hydra.yaml", {"hydra": hydra_cfg}),
+                       ("overrides.yaml", hydra_cfg.overrides.task)):
+        OmegaConf.save(node, record / name)
+
+
+_run_log: logging.Handler | None = None
+
+
+def _log_to(path: Path, job_logging) -> None:
+    """The root logger's file handler that Hydra's job_logging would have opened at the job's
+    start (the one handler colo_rl adds: a later run in this process replaces it)."""
+    global _run_log
+    root = logging.getLogger()
+    if _run_log is not None:
+        root.removeHandler(_run_log)
+        _run_log.close()
+    _run_log = logging.FileHandler(path)
+    fmt = job_logging.get("formatters", {}).get("simple", {}).get("format")
+    _run_log.setFormatter(logging.Formatter(fmt))
+    root.addHandler(_run_log)
 
 
 def drop_records_from(path: str | os.PathLike, first_step: int, step_key: str) -> int:

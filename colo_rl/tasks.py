@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from colo_rl.config import ConfigError, RunConfig
-from colo_rl.data import PromptSampler, check_columns, load_split, toy_datasets
+from colo_rl.data import PromptSampler, check_columns, check_prompts, load_split, toy_datasets
 from colo_rl.rewards import Rewards, load_rewards
 
 log = logging.getLogger(__name__)
@@ -90,6 +90,7 @@ class Task:
         prompt_key = d.messages_column if chat else ("prompt" if t.kind != "dataset" else d.prompt_column)
         prompt_config_key = "task.dataset.messages_column" if chat else "task.dataset.prompt_column"
         check_columns(train, [prompt_key], [prompt_config_key], where)
+        check_prompts(train, prompt_key, chat, prompt_config_key, where)
         if t.kind == "dataset" and d.reward_columns is not None:
             check_columns(train, d.reward_columns, ["task.dataset.reward_columns"] * len(d.reward_columns), where)
             columns = list(d.reward_columns)
@@ -99,6 +100,7 @@ class Task:
             check_columns(held_out, [prompt_key, *columns],
                           [prompt_config_key] + ["task.dataset.reward_columns"] * len(columns),
                           f"the held-out split {d.eval_split}")
+            check_prompts(held_out, prompt_key, chat, prompt_config_key, f"the held-out split {d.eval_split}")
         if (chat or settings.model.use_chat_template) and not getattr(tokenizer, "chat_template", None):
             key = "task.dataset.messages_column" if chat else "model.use_chat_template"
             raise ConfigError(f"{key} needs a chat template, but the tokenizer of model.path="
@@ -150,7 +152,8 @@ def _rewards(settings: RunConfig) -> Rewards:
     elif "overlong" in paths:
         raise ConfigError("task.rewards names overlong but task.overlong_buffer=0: set task.overlong_buffer "
                           "(the share of sampling.max_tokens it punishes, e.g. 0.25) instead of listing it")
-    return Rewards(load_rewards(paths, weights), {"max_tokens": max_tokens, "overlong_buffer": buffer})
+    return Rewards(load_rewards(paths, weights), {"max_tokens": max_tokens, "overlong_buffer": buffer},
+                   timeout_s=t.reward_timeout_s)
 
 
 def _dataset_splits(settings: RunConfig, eval_size: int):
@@ -180,6 +183,10 @@ def _encode_and_filter(dataset, prompt_key: str, tokenizer, settings: RunConfig,
     many were skipped."""
     encoded = dataset.map(lambda rows: {IDS: encode_prompts(rows[prompt_key], tokenizer, settings)},
                           batched=True, keep_in_memory=True)
+    empty = next((row for row, ids in enumerate(encoded[IDS]) if not ids), None)
+    if empty is not None:  # vLLM refuses a prompt of no tokens, after the engine started
+        raise ConfigError(f"row {empty} of the prompts is empty once rendered (model.prompt_template="
+                          f"{settings.model.prompt_template!r}): remove empty prompts from the data")
     kept = encoded.filter(lambda rows: [len(ids) <= limit for ids in rows[IDS]], batched=True,
                           keep_in_memory=True)
     skipped = len(encoded) - len(kept)

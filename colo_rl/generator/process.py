@@ -104,6 +104,7 @@ class EngineProcess:
         `early_log` until the start request names the run's log: a worker spawned before the
         run's directory is known (`prespawn`), which imports vLLM as soon as it is connected."""
         remove_stale_socket_dirs()
+        remove_stale_staged_files()
         # mode 0700; the pid in the name lets a later run find the directory if this one dies
         self.socket_dir = tempfile.mkdtemp(prefix=f"{SOCKET_DIR_PREFIX}{os.getpid()}-")
         self._socket_path = os.path.join(self.socket_dir, "control.sock")
@@ -307,6 +308,58 @@ def remove_stale_socket_dirs() -> list[str]:
         log.info("removed %d control-socket directories of dead colo_rl runs: %s", len(removed),
                  ", ".join(removed))
     return removed
+
+
+STAGED_PREFIX = "colo_rl-weights-"  # colo_rl-weights-PID-UUID.safetensors (generator/staging.py)
+
+
+def default_staging_dirs() -> list[str]:
+    """Where generator.staging_dir=auto stages weights: /dev/shm when present, else the temp dir."""
+    return ["/dev/shm", tempfile.gettempdir()] if os.path.isdir("/dev/shm") else [tempfile.gettempdir()]
+
+
+def remove_stale_staged_files(directories: list[str] | None = None) -> list[str]:
+    """Remove staged weight files whose trainer is dead (killed between staging and the load):
+    in /dev/shm each pins its size in RAM until someone removes it."""
+    removed = []
+    for directory in directories or default_staging_dirs():
+        for path in glob(os.path.join(directory, f"{STAGED_PREFIX}*.safetensors")):
+            pid = os.path.basename(path)[len(STAGED_PREFIX):].split("-", 1)[0]
+            try:
+                if pid.isdigit() and os.stat(path).st_uid == os.getuid() and not _running(int(pid), None):
+                    os.unlink(path)
+                    removed.append(path)
+            except OSError:
+                continue
+    if removed:
+        log.info("removed %d staged weight files of dead colo_rl runs: %s", len(removed), ", ".join(removed))
+    return removed
+
+
+def check_engine_settings(g, model_dir: Path, engine_on_cpu: bool) -> None:
+    """What vLLM would refuse only after it started, refused before, naming colo_rl's key: a
+    generator.max_model_len beyond the model's positions, a CPU KV cache larger than the machine,
+    a generator.staging_dir that is not a writable directory."""
+    from colo_rl.config import ConfigError
+
+    config_path = Path(model_dir) / "config.json"
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, ValueError):
+        config = {}
+    config = config.get("text_config", config) if isinstance(config, dict) else {}
+    positions = config.get("max_position_embeddings")
+    if isinstance(positions, int) and not config.get("rope_scaling") and g.max_model_len > positions:
+        raise ConfigError(f"generator.max_model_len={g.max_model_len} exceeds the model's "
+                          f"max_position_embeddings={positions} ({config_path}): set "
+                          f"generator.max_model_len={positions} or less")
+    total = psutil.virtual_memory().total
+    if engine_on_cpu and g.cpu_kvcache_gib * 2**30 > total:
+        raise ConfigError(f"generator.cpu_kvcache_gib={g.cpu_kvcache_gib} is more than this machine's "
+                          f"{total / 2**30:.1f} GiB of memory: give the engine's KV cache a part of it")
+    if g.staging_dir != "auto" and not (os.path.isdir(g.staging_dir) and os.access(g.staging_dir, os.W_OK)):
+        raise ConfigError(f"generator.staging_dir={g.staging_dir} is not a writable directory: create it, "
+                          "or point generator.staging_dir elsewhere (auto: /dev/shm)")
 
 
 def _socket_dir_owner(path: str) -> tuple[int, int | None] | None:

@@ -80,8 +80,10 @@ def write_staged_file(tensors: list[tuple[str, torch.Tensor]], staging_dir: str 
             f.write(payload)
             f.flush()
             os.fsync(f.fileno())
-    except OSError as exc:
+    except BaseException as exc:  # a signal mid-write too: no partial file is left behind
         path.unlink(missing_ok=True)
+        if not isinstance(exc, OSError):
+            raise
         raise StagingError(f"could not write {len(payload) / 2**20:.0f} MiB of weights to "
                            f"generator.staging_dir={directory}: {exc}. Free space there or point "
                            "generator.staging_dir at a larger directory") from exc

@@ -617,15 +617,21 @@ def main(config_path: str) -> int:
         print("colo_rl worker: SIGTERM, shutting the engine down", flush=True)
         return 143
     finally:
+        # A second SIGTERM (the trainer's group kill after its polite shutdown) must not cut the
+        # cleanup short: raised inside server.close(), it left the authkey's directory behind.
+        # SIGKILL still ends a worker whose close hangs.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         stopping.set()
-        server.close()
-        listener.close()
-        shutil.rmtree(socket_dir, ignore_errors=True)
-        if settings.get("early_log"):  # not moved to the run's log: a prespawned worker nobody adopted
-            try:
-                os.unlink(settings["early_log"])
-            except OSError:
-                pass
+        try:
+            server.close()
+            listener.close()
+        finally:
+            shutil.rmtree(socket_dir, ignore_errors=True)
+            if settings.get("early_log"):  # not moved to the run's log: a prespawned worker nobody adopted
+                try:
+                    os.unlink(settings["early_log"])
+                except OSError:
+                    pass
     return 0
 
 

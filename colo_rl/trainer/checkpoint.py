@@ -99,6 +99,7 @@ def save_checkpoint(directory: str | Path, trainer: TrainerState, extra: dict, s
     directory = Path(directory)
     directory.parent.mkdir(parents=True, exist_ok=True)
     state = state if state is not None else trainer.state_dict()
+    _check_finite_weights(state["model"], directory)
     _remove_partials(directory)
     tmp = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}.partial-"))
     try:
@@ -284,6 +285,16 @@ def _check_loadable(extra: dict) -> None:
 # -- reading ------------------------------------------------------------------------------------
 
 
+def _check_finite_weights(model: dict[str, torch.Tensor], directory: Path) -> None:
+    """A checkpoint is the state to go on from: weights holding inf or NaN are not one."""
+    bad = [name for name, t in model.items() if t.is_floating_point() and not torch.isfinite(t).all()]
+    if bad:
+        raise CheckpointError(f"the trainer's weights are not finite ({len(bad)} tensors, e.g. {bad[0]}): "
+                              f"no checkpoint written, {directory} keeps the last one written (if any). "
+                              "Lower trainer.lr or trainer.kl_coef, or look for inf/NaN rewards "
+                              "(task.rewards, task.reward_weights)")
+
+
 def read_manifest(directory: str | Path) -> dict:
     """The manifest of a checkpoint directory (its step, versions and files)."""
     path = Path(directory) / MANIFEST
@@ -294,6 +305,11 @@ def read_manifest(directory: str | Path) -> dict:
         manifest = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"{path}: not readable ({exc}). Resume from another checkpoint") from None
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict) or not all(isinstance(f, dict) and isinstance(f.get("bytes"), int)
+                                              and isinstance(f.get("sha256"), str) for f in files.values()):
+        raise CheckpointError(f"{path}: not a colo_rl manifest (an object whose \"files\" map each "
+                              "file to its bytes and sha256). Resume from a checkpoint a run wrote")
     if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(f"{path}: format {manifest.get('format')!r} version "
                               f"{manifest.get('format_version')!r}, this colo_rl reads {FORMAT!r} "
