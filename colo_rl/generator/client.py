@@ -118,7 +118,9 @@ class VLLMGenerator:
             env["VLLM_CACHE_ROOT"] = os.path.abspath(os.path.expanduser(self.cfg.cache_dir))
         if self.in_process:
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        if self.cfg.device == "cpu":
+        # hiding the GPUs matters only where there are some; elsewhere the environment stays that
+        # of the worker `python -m colo_rl.run` spawned as it started, so the run can adopt it
+        if self.cfg.device == "cpu" and torch.cuda.is_available():
             env["CUDA_VISIBLE_DEVICES"] = ""
         elif self.gpu is not None:
             env["CUDA_VISIBLE_DEVICES"] = self.gpu
