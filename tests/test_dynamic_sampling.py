@@ -11,7 +11,8 @@ from colo_rl.config import validate
 from colo_rl.dynamic_sampling import dynamic_sampler
 from colo_rl.models import load_tokenizer
 from colo_rl.rewards import overlong
-from colo_rl.run import step_sampling, train
+from colo_rl.rollout import step_sampling
+from colo_rl.run import train
 from colo_rl.switch import Switch
 from colo_rl.tasks import Task
 

@@ -224,7 +224,7 @@ def test_a_reward_module_that_fails_to_import_is_one_line(tmp_path, no_engine, m
 def _rewards(*fns, timeout_s: float = 600.0):
     from colo_rl.rewards import RewardFunction, Rewards
 
-    return Rewards([RewardFunction(f"test:{f.__name__}", f.__name__, 1.0, f) for f in fns], timeout_s)
+    return Rewards([RewardFunction(f"test:{f.__name__}", f.__name__, 1.0, f) for f in fns], timeout_s=timeout_s)
 
 
 def test_what_a_reward_function_returns_or_does_is_checked(caplog):
