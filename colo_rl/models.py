@@ -142,8 +142,8 @@ def load_policy(cfg: ModelConfig, model_dir: Path, device: str, dtype: str | Non
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(model_dir)
-        # Initialised where it will live: on a GPU the init runs there, not on the CPU first (the
-        # 7B shape's CPU init took ~280 s). Seeded either way: the same init_seed gives the same
+        # Initialised where it will live: on a GPU the init runs there, not on the CPU first (a
+        # 7B shape's CPU init takes minutes). Seeded either way: the same init_seed gives the same
         # weights on the same kind of device, but a GPU's numbers are not the CPU's (another
         # random generator); on the CPU they are what they always were.
         target = torch.device(device)

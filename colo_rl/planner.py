@@ -8,7 +8,7 @@ optimizer, LoRA, the micro-batch and sequence length, and the device's free and 
 naming the key to change and the value that would fit.
 
 The fitted constants are data: `CALIBRATION` below, each with what it counts and where it was
-measured (vLLM version, device, run in benchmarks/RESULTS.md). They are fitted on one shape (OLMo-2
+measured (vLLM version, device, run of the benchmark log). They are fitted on one shape (OLMo-2
 1B), so other shapes, lengths and optimizers are extrapolations; the margin and the auto choices'
 headroom cover the rest. `plan_memory` reads as its decisions, one small function each, every one
 returning its value and the reason printed beside it: the micro-batch (`_micro_batch`), the kept

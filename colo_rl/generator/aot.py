@@ -1,8 +1,8 @@
 """vLLM's AOT compile cache for models on its Transformers backend (issue #23).
 
 vLLM saves the torch.compile'd model (an "AOT compiled function") so that the next engine start of
-the same shape loads it instead of tracing the model with Dynamo again (4-5 s of every start on the
-H100). On the Transformers backend (OLMo-2 under vLLM 0.26) the save fails: "Can't pickle <function
+the same shape loads it instead of tracing the model with Dynamo again (seconds of every start
+on a GPU). On the Transformers backend (OLMo-2 under vLLM 0.26) the save fails: "Can't pickle <function
 Olmo2Model.forward>: it's not the same object as transformers...Olmo2Model.forward". Transformers
 wraps its forwards in decorators (functools.wraps), so the traced function's module and qualname
 name its wrapper, and torch's AOT pickler (torch 2.11, which vLLM 0.26 pins) saves functions by
@@ -10,10 +10,9 @@ reference, rebuilding from the code object only those whose qualname says `<loca
 rebuilds every function whose name does not resolve back to it (pytorch/pytorch#196454); install()
 does the same in this process and the processes it forks (vLLM's engine core).
 
-On by default in the engine worker (COLO_RL_AOT_REBUILD=0 turns it off). Measured on the H100
-(benchmarks/RESULTS.md, 2026-12-06e): the first start saved the compiled model, the next loaded it
-(Dynamo 3.8 -> 1.5 s, torch.compile 7.2 -> 2.6 s) and its first step came 26.3 s after the command
-instead of 30.6 s.
+On by default in the engine worker (COLO_RL_AOT_REBUILD=0 turns it off): the first start saves
+the compiled model, every later start of the same shape loads it, so both Dynamo's tracing and
+torch.compile's work shrink and the first step comes sooner.
 """
 
 from __future__ import annotations

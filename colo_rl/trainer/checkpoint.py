@@ -474,9 +474,9 @@ class Snapshot:
 
 class HostBuffers:
     """Pinned host tensors that successive snapshots copy GPU tensors into, in the same order each
-    time. Pinning is slow (~0.5 s per GB on the H200) and a copy into pageable memory runs at
-    ~1.2 GB/s (the 1B shape's 16.6 GiB state stalled a step for 14.8 s), so they are allocated at
-    the first snapshot and reused: later copies run at the pinned rate (~54 GB/s). A snapshot may
+    time. Pinning is slow and a copy into pageable memory runs at a small fraction of the pinned
+    rate (a 1B policy's state would stall a step for seconds), so they are allocated at the first
+    snapshot and reused: later copies run at the pinned rate. A snapshot may
     reuse them only once the write of the previous one has ended (BackgroundWriter.snapshot waits)."""
 
     def __init__(self) -> None:

@@ -8,13 +8,13 @@ the attention's q/k norms (OLMo-2) as they were; they are patched here too. Its 
 names in the modeling module, which would reach every model of that type built later in the
 process; here only the patched model (and the KL reference, patched alike) runs them. The output
 head is left alone: colo_rl's chunked head (trainer.logprob_chunk) already avoids the full logits.
-H100, the 1B peer workload's train step: 3.19 s eager, 2.24 s with Liger (benchmarks/RESULTS.md,
-2026-12-06c). trainer.kernels=liger with trainer.compile=true is refused (TrainerConfig): Dynamo
-does not trace Liger's Triton kernels, and such a model's log-probs were off by up to 1.2.
+Fewer passes over the activations make the train step faster and its activations smaller.
+trainer.kernels=liger with trainer.compile=true is refused (TrainerConfig): Dynamo does not trace
+Liger's Triton kernels, and such a model's log-probs differ from the eager model's.
 
 trainer.compile=true compiles each decoder layer with torch.compile (regional compilation: one
 layer's code is compiled once and reused by all of them, so the first step pays seconds, not
-minutes) and fuses whatever elementwise work is left between the matmuls (2.57 s on the same step).
+minutes) and fuses whatever elementwise work is left between the matmuls.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def liger_model_types() -> set[str]:
 def resolve_kernels(kernels: str, device: str, model_type: str, compile: bool = False) -> str:
     """trainer.kernels with `auto` resolved: liger where it runs (a CUDA trainer, liger-kernel
     installed, a model type it knows) and trainer.compile is off (compiled layers fuse the same
-    elementwise work, and Dynamo cannot trace Liger's RoPE kernel: H100, no gain together), else
+    elementwise work, and Dynamo cannot trace Liger's RoPE kernel: no gain together), else
     none. An explicit `liger` that cannot run is refused with a ConfigError naming the key."""
     if kernels == "none":
         return "none"

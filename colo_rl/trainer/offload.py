@@ -54,7 +54,7 @@ class Offloader:
         self.restore_while_awake = restore_while_awake  # read by fits_beside_engine()
         # Bytes the engine needs free to wake (the memory plan's); when at least that much is free
         # after an offload, torch's cache is kept: with nothing to move, the two offloads of a step
-        # (their empty_cache and free-memory readings) took 0.046 s on the H200, and the next step
+        # (their empty_cache and free-memory readings) are a visible part of the switch, and the next step
         # allocates again what empty_cache released. None: always emptied.
         self.keep_cache_if_free: int | None = None
         self._side = torch.cuda.Stream(self.device) if self._cuda else None

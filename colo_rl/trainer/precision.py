@@ -25,8 +25,7 @@ def compute_copies(model: Optional[torch.nn.Module], dtype: Optional[torch.dtype
 
     Autocast casts every fp32 weight to bf16 in each micro-batch's forward and, in backward, each
     bf16 weight gradient to fp32 before adding it to .grad: two passes over 6 bytes a parameter per
-    micro-batch, on top of the accumulation (H100, the 1B peer workload's train step: 0.13 s of
-    weight casts, 0.16 s of gradient casts of 2.24 s). Here the cast happens once per update and
+    micro-batch, on top of the accumulation (a noticeable share of a train step on a GPU). Here the cast happens once per update and
     the gradient is upcast inside the add. Under "matmul" the values are autocast's: the copy is
     autocast's cast of the same weight (autocast leaves a weight already in its dtype alone), and
     upcasting bf16 to fp32 is exact, so each addition is the one AccumulateGrad made. Only weights
