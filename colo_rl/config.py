@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import FrozenInstanceError, dataclass, field, fields, is_dataclass
+from dataclasses import MISSING, FrozenInstanceError, dataclass, field, fields, is_dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, MissingMandatoryValue, OmegaConf
@@ -60,18 +60,30 @@ def _one_of(key: str, value: Any, choices: tuple) -> None:
     _check(value in choices, key, value, f"must be one of {', '.join(map(str, choices))}")
 
 
+def described(default: Any = MISSING, help: str = "", *, factory: Optional[Callable[[], Any]] = None) -> Any:
+    """A config key's dataclass field with its one description, `help` (what it does, its unit, its
+    trade-off): docs/config.md is generated from it (colo_rl.docs). `factory` for a mutable default."""
+    if factory is not None:
+        return field(default_factory=factory, metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass
 class EmbeddedModelConfig(Freezable):
     """Shape of a randomly initialised OLMo-2 policy built locally (no hub needed)."""
 
-    hidden_size: int = 128
-    intermediate_size: int = 256
-    num_hidden_layers: int = 2
-    num_attention_heads: int = 2
-    num_key_value_heads: int = 2
-    vocab_size: int = 64  # a character-level tokenizer is built to exactly this size
-    max_position_embeddings: int = 512
-    init_seed: int = 0
+    hidden_size: int = described(128, "Width of the residual stream.")
+    intermediate_size: int = described(256, "Width of each decoder layer's MLP.")
+    num_hidden_layers: int = described(2, "Decoder layers.")
+    num_attention_heads: int = described(2, "Attention heads; must divide hidden_size.")
+    num_key_value_heads: int = described(2, "Key/value heads (grouped-query attention); must divide "
+                                         "num_attention_heads.")
+    vocab_size: int = described(64, "Vocabulary size; a character-level tokenizer is built to exactly "
+                                "this size.")
+    max_position_embeddings: int = described(512, "Longest sequence (prompt + completion) the model "
+                                             "accepts, in tokens.")
+    init_seed: int = described(0, "Seed of the random initialisation: the same seed gives the same "
+                               "weights on the same kind of device.")
 
     def __post_init__(self) -> None:
         for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -88,18 +100,20 @@ class EmbeddedModelConfig(Freezable):
 class ModelConfig(Freezable):
     """The policy: where its weights and tokenizer come from, and how prompts are wrapped."""
 
-    name: str = "tiny"
-    # "embedded": build `embedded` locally with random weights; "hf": `path` is a Hugging Face id
-    # (looked up in the local cache only) or a local directory.
-    source: str = "embedded"
-    path: Optional[str] = None
-    tokenizer: Optional[str] = None  # default: same as path
-    # What the engine serves and an export writes by default: float32 | bfloat16 | float16. The
-    # trainer's own precision is trainer.precision (fp32 master weights by default under bf16/fp16).
-    dtype: str = "float32"
-    trust_remote_code: bool = False
-    prompt_template: str = "{prompt}"
-    use_chat_template: bool = False
+    name: str = described("tiny", "A label for the model in the run's config and W&B.")
+    source: str = described("embedded", "embedded: build model.embedded locally with random weights; hf: "
+                            "model.path is a Hugging Face id (looked up in the local cache only) or a "
+                            "local directory. Setting model.path switches it to hf.")
+    path: Optional[str] = described(None, "Hugging Face model id or local directory (model.source=hf).")
+    tokenizer: Optional[str] = described(None, "Tokenizer id or directory; null: the same as model.path.")
+    dtype: str = described("float32", "float32 | bfloat16 | float16: what the engine serves and an export "
+                           "writes by default. The trainer's own precision is trainer.precision (fp32 "
+                           "master weights by default under bf16/fp16).")
+    trust_remote_code: bool = described(False, "Run the model repository's own Python code (transformers' "
+                                        "and vLLM's trust_remote_code).")
+    prompt_template: str = described("{prompt}", "Wraps each prompt; must contain {prompt}.")
+    use_chat_template: bool = described(False, "Put each prompt through the tokenizer's chat template as a "
+                                        "user message (after prompt_template).")
     embedded: EmbeddedModelConfig = field(default_factory=EmbeddedModelConfig)
 
     def __post_init__(self) -> None:
@@ -120,23 +134,29 @@ class ModelConfig(Freezable):
 class SamplingConfig(Freezable):
     """How the engine samples rollouts. `n` is the GRPO group size (completions per prompt)."""
 
-    name: str = "default"
-    n: int = 8
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1  # -1: no top-k
-    max_tokens: int = 16
-    stop: list[str] = field(default_factory=list)
-    seed: Optional[int] = 0  # per-step seeds derive from it; null: unseeded sampling
-    # batch: the engine's sampler is seeded once per step (one batched draw: the engine's full
-    # speed; a prompt's samples depend on the batch it is in). prompt: every prompt seeded on its
-    # own (vLLM then draws each request's noise separately, a kernel per request per token)
-    seed_scope: str = "batch"
-    logprobs: bool = True  # ask the engine for sampled-token log-probs (weight-sync health)
-    # ask for them on steps 0, K, 2K... only (they cost the engine ~40 % of its tokens/s on the
-    # H200); null: every step with trainer.tis_cap (its weights need them), else every 10th
-    logprobs_every: Optional[int] = None
-    ignore_eos: bool = False  # always generate max_tokens (benchmarks and soak tests)
+    name: str = described("default", "A label for the sampling preset in the run's config.")
+    n: int = described(8, "GRPO group size: completions per prompt.")
+    temperature: float = described(1.0, "Sampling temperature; 0: greedy (then n must be 1).")
+    top_p: float = described(1.0, "Nucleus sampling: the smallest set of tokens with this much "
+                             "probability; 1: off.")
+    top_k: int = described(-1, "Sample from the k most likely tokens; -1: no top-k.")
+    max_tokens: int = described(16, "Longest completion, in tokens; must leave room for the prompt in "
+                                "generator.max_model_len.")
+    stop: list[str] = described(help="Strings that end a completion (not included in it).", factory=list)
+    seed: Optional[int] = described(0, "Per-step sampling seeds derive from it; null: unseeded sampling.")
+    seed_scope: str = described("batch", "batch: the engine's sampler is seeded once per step (one batched "
+                                "draw at the engine's full speed; a prompt's samples depend on the batch "
+                                "it is in). prompt: every prompt seeded on its own (batch-independent, but "
+                                "vLLM then draws each request's noise separately, a kernel per request per "
+                                "token).")
+    logprobs: bool = described(True, "Ask the engine for the sampled tokens' log-probs: the weight-sync "
+                               "health metric train/engine_logprob_gap and trainer.tis_cap need them.")
+    logprobs_every: Optional[int] = described(None, "Ask for log-probs on steps 0, K, 2K... only (they "
+                                              "cost the engine a large share of its throughput); null: "
+                                              "every step with trainer.tis_cap (its weights need them), "
+                                              "else every 10th.")
+    ignore_eos: bool = described(False, "Always generate max_tokens, ignoring end-of-sequence (benchmarks "
+                                 "and soak tests).")
 
     def __post_init__(self) -> None:
         _check(self.n >= 1, "sampling.n", self.n, "must be >= 1")
@@ -158,34 +178,45 @@ class SamplingConfig(Freezable):
 class GeneratorConfig(Freezable):
     """The sleeping vLLM engine that runs in its own subprocess."""
 
-    python: str = ""  # interpreter of the engine's environment; "" means this one
-    device: str = "auto"  # auto | cuda | cpu
-    # fraction of the GPU the engine may take while awake; auto: the start-up memory plan
-    # (colo_rl.planner) gives it the KV cache of every sequence of a step, or what is left. A run's
-    # default is auto (conf/generator/default.yaml); this class's 0.5 is for code that builds a
-    # GeneratorConfig itself and starts an engine without a plan (benchmarks, tests)
-    gpu_memory_utilization: Any = 0.5
-    staging_dir: str = "auto"  # weight files for weight_sync=file; auto: /dev/shm when present
-    max_model_len: int = 256
-    max_num_seqs: int = 256
-    enforce_eager: Optional[bool] = None  # null: CUDA graphs on GPU (2.5-3x faster), eager on CPU
-    sleep_level: int = 2  # 2 discards weights (they are pushed every step); 1 keeps a CPU copy
-    weight_sync: str = "auto"  # auto | file | cuda_ipc; auto: cuda_ipc on GPU, file on CPU
-    cpu_kvcache_gib: int = 1  # KV cache size for vLLM on CPU (VLLM_CPU_KVCACHE_SPACE)
-    start_timeout_s: float = 600.0
-    request_timeout_s: float = 600.0
-    restart_on_failure: bool = False
-    # Where vLLM's engine core runs. true: inside the worker process (one interpreter start instead
-    # of three: 21 s instead of 56 s to start on 2 CPU cores). false: vLLM's own engine-core
-    # subprocess, whose output processing overlaps the next forward (on the H200 its llm.generate
-    # ran 1.23x faster, benchmarks/RESULTS.md). null: false on a GPU, true on CPU.
-    in_process: Optional[bool] = None
-    engine_kwargs: dict[str, Any] = field(default_factory=dict)  # passed through to vllm.LLM
-    # vLLM's cache root (VLLM_CACHE_ROOT of the engine): its torch.compile artifacts and the
-    # embedded model's files the engine reads, shared by every run and multirun job of the same
-    # shape, so that only the first compiles. null: vLLM's own default, $VLLM_CACHE_ROOT or
-    # ~/.cache/vllm; a path (e.g. on a file system every sweep job sees) instead.
-    cache_dir: Optional[str] = None
+    python: str = described("", "Interpreter of the engine's environment (one that has vllm); \"\": this one.")
+    device: str = described("auto", "auto | cuda | cpu: where the engine runs; auto: CUDA when torch sees "
+                            "a GPU.")
+    gpu_memory_utilization: Any = described(0.5, "Fraction of the GPU the engine may take while awake (the "
+                                            "trainer gets it back while it sleeps), in (0, 1], or auto: the "
+                                            "start-up memory plan (colo_rl.planner) gives it the KV cache "
+                                            "of every sequence of a step, or what is left. A run's default "
+                                            "is auto (conf/generator/default.yaml); the schema's 0.5 is for "
+                                            "code that builds a GeneratorConfig and starts an engine "
+                                            "without a plan (benchmarks, tests).")
+    staging_dir: str = described("auto", "Where weight files go for weight_sync=file; auto: /dev/shm (RAM) "
+                                 "when present.")
+    max_model_len: int = described(256, "Longest sequence (prompt + completion) the engine serves, in tokens.")
+    max_num_seqs: int = described(256, "Sequences the engine runs at once (vLLM's max_num_seqs).")
+    enforce_eager: Optional[bool] = described(None, "true: no CUDA graphs (faster start, slower "
+                                              "generation); null: CUDA graphs on a GPU, eager on CPU.")
+    sleep_level: int = described(2, "vLLM's sleep level: 2 discards the weights while asleep (they are "
+                                 "pushed every step anyway); 1 keeps a CPU copy of them.")
+    weight_sync: str = described("auto", "auto | file | cuda_ipc: how the trainer's weights reach the "
+                                 "engine; auto: cuda_ipc on a GPU (no host copy), file on CPU.")
+    cpu_kvcache_gib: int = described(1, "KV cache size of vLLM on CPU, in GiB (VLLM_CPU_KVCACHE_SPACE).")
+    start_timeout_s: float = described(600.0, "Seconds the engine may take to start before it is killed.")
+    request_timeout_s: float = described(600.0, "Seconds one request (generate, weight load, sleep) may "
+                                         "take before the engine is killed.")
+    restart_on_failure: bool = described(False, "true: a step whose engine failed starts a fresh engine "
+                                         "and retries once; false: the run stops with a checkpoint.")
+    in_process: Optional[bool] = described(None, "Where vLLM's engine core runs. true: inside the worker "
+                                           "process (one interpreter start instead of three: a faster "
+                                           "start). false: vLLM's own engine-core subprocess, whose output "
+                                           "processing overlaps the next forward (faster generation). "
+                                           "null: false on a GPU, true on CPU.")
+    engine_kwargs: dict[str, Any] = described(help="Passed to vllm.LLM as they are; each added with a +, "
+                                              "e.g. '+generator.engine_kwargs.compilation_config="
+                                              "{cudagraph_mode: FULL_DECODE_ONLY}' (less memory asleep, "
+                                              "slightly slower generation).", factory=dict)
+    cache_dir: Optional[str] = described(None, "vLLM's cache root (VLLM_CACHE_ROOT of the engine): its "
+                                         "torch.compile artifacts and the embedded model's files, shared "
+                                         "by every run and sweep job of the same shape so that only the "
+                                         "first compiles; null: $VLLM_CACHE_ROOT or ~/.cache/vllm.")
 
     def __post_init__(self) -> None:
         _one_of("generator.device", self.device, ("auto", "cuda", "cpu"))
@@ -212,14 +243,17 @@ OPTIMIZERS = tuple(OPTIMIZER_PACKAGES)
 class LoraConfig(Freezable):
     """LoRA adapters (peft) on the policy's linear layers; rank 0 trains every weight instead."""
 
-    rank: int = 0  # 0: full fine-tuning
-    # The update is (alpha / rank) * B @ A. A fixed alpha (not one that grows with the rank) keeps
-    # the best learning rate about the same across ranks, as in "LoRA Without Regret" (alpha 32).
-    alpha: float = 32.0
-    dropout: float = 0.0  # on the adapter's input while training; the engine never sees it
-    # Names (or dotted suffixes) of linear modules; empty: every linear layer of the decoder, not
-    # the output head. A name that matches no linear layer is refused with the model's list.
-    target_modules: list[str] = field(default_factory=list)
+    rank: int = described(0, "LoRA rank; 0: full fine-tuning. With a rank only the adapters train (they "
+                          "want a larger lr than full fine-tuning).")
+    alpha: float = described(32.0, "The update is (alpha / rank) * B @ A. A fixed alpha (not one that "
+                             "grows with the rank) keeps the best learning rate about the same across "
+                             "ranks, as in \"LoRA Without Regret\".")
+    dropout: float = described(0.0, "Dropout on the adapters' input in training forwards, in [0, 1); the "
+                               "engine never sees it.")
+    target_modules: list[str] = described(help="Names (or dotted suffixes) of linear modules, e.g. [q_proj, "
+                                          "v_proj]; empty: every linear layer of the decoder, not the "
+                                          "output head. A name that matches no linear layer is refused "
+                                          "with the model's list.", factory=list)
 
     def __post_init__(self) -> None:
         _check(self.rank >= 0, "trainer.lora.rank", self.rank, "must be >= 0 (0: full fine-tuning)")
@@ -236,8 +270,11 @@ class DynamicSamplingConfig(Freezable):
     """DAPO's dynamic sampling: groups whose rewards are all equal (zero advantage, no gradient)
     are dropped, and the step's batch is filled from further prompts generated in the same wake."""
 
-    enabled: bool = False
-    max_rounds: int = 3  # generate calls per step at most, the first included (verl's max_num_gen_batches)
+    enabled: bool = described(False, "Drop groups of equal rewards and fill the batch from further "
+                              "prompts (DAPO's dynamic sampling).")
+    max_rounds: int = described(3, "Generate calls per step at most, the first included (verl's "
+                                "max_num_gen_batches); a step still short of groups after them is topped up with "
+                                "dropped ones.")
 
     def __post_init__(self) -> None:
         _check(self.max_rounds >= 1, "trainer.dynamic_sampling.max_rounds", self.max_rounds, "must be >= 1")
@@ -247,131 +284,155 @@ class DynamicSamplingConfig(Freezable):
 class TrainerConfig(Freezable):
     """GRPO: algorithm, optimisation and where the trainer state lives between phases."""
 
-    # the preset (conf/trainer/algo/) the run's keys came from: a label in the run's config
-    algorithm: str = "grpo"
-    # named parts (colo_rl/trainer/algorithms.py): a built-in's short name or a module:function path
-    advantage_estimator: str = "grpo"  # grpo | rloo | reinforce_pp | module:function
-    policy_loss: str = "ppo_clip"  # ppo_clip | gspo | module:function
-    # TRL's mask_truncated_completions: completions that reached sampling.max_tokens (vLLM's
-    # finish reason "length") are left out of the loss and its normalizer
-    mask_truncated: bool = False
-    # sequences of zero advantage skip forward and backward where the loss does not need them (no
-    # KL term, a built-in policy loss, whose gradient there is 0); the normalizer stays the whole
-    # batch's, so loss and gradients are unchanged but for summation order
-    skip_zero_advantage: bool = False
+    algorithm: str = described("grpo", "The preset (conf/trainer/algo/) the run's algorithm keys came from: "
+                               "a label in the run's config.")
+    advantage_estimator: str = described("grpo", "grpo | rloo | reinforce_pp | module:function: how rewards "
+                                         "become advantages (colo_rl/trainer/algorithms.py).")
+    policy_loss: str = described("ppo_clip", "ppo_clip | gspo | module:function: the per-token policy loss "
+                                 "(colo_rl/trainer/algorithms.py).")
+    mask_truncated: bool = described(False, "Leave completions that reached sampling.max_tokens (vLLM's "
+                                     "finish reason \"length\") out of the loss and its normalizer (TRL's "
+                                     "mask_truncated_completions).")
+    skip_zero_advantage: bool = described(False, "Sequences of zero advantage skip forward and backward "
+                                          "where the loss does not need them (no KL term, a built-in policy "
+                                          "loss, whose gradient there is 0); the normalizer stays the whole "
+                                          "batch's, so loss and gradients change only by summation order.")
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
-    device: str = "auto"  # auto | cuda | cpu
-    steps: int = 30
-    prompts_per_step: int = 8
-    # sequences per forward/backward; gradients accumulate over them (the loss's normalizer is the
-    # whole batch's, so the size changes results only by summation order). auto: the memory plan
-    # picks the largest of AUTO_MICRO_BATCHES that fits on the GPU; DEFAULT_MICRO_BATCH elsewhere
-    micro_batch_size: Any = "auto"
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    max_grad_norm: float = 1.0
-    advantage_norm: str = "mean"  # mean (Dr. GRPO) | std (GRPO: divide by the group's std)
-    loss_agg: str = "token"  # token | sequence | constant (Dr. GRPO: sum / (seqs x max_tokens))
-    updates_per_batch: int = 1  # >1 reuses a batch with the PPO-clipped ratio
-    clip_eps: float = 0.2
-    # -- GRPO numerics (issue 19): advantage std, clip-higher, TIS, lr schedule, non-finite skips --
-    # unbiased (Bessel) like TRL's GRPOTrainer and verl's GRPO advantage, so that runs compare
-    # with theirs; population divides by n: advantages sqrt(n/(n-1)) times larger (1.07x at n=8)
-    advantage_std: str = "unbiased"  # unbiased | population (only with advantage_norm=std)
-    clip_eps_high: Optional[float] = None  # DAPO clip-higher: ratio clipped to [1-clip_eps, 1+this]; null: clip_eps
-    # Truncated importance sampling (TRL's vllm_importance_sampling_correction, verl's TIS): each
-    # token's loss times min(exp(trainer - engine log-prob), tis_cap); null: off
-    tis_cap: Optional[float] = None
-    # lr of step k (as transformers' get_*_schedule_with_warmup): linear warmup from 0 over
-    # warmup_steps, then constant, or linear / cosine decay to 0 at trainer.steps
-    lr_schedule: str = "constant"  # constant | linear | cosine
-    warmup_steps: int = 0
-    max_nonfinite_steps: int = 3  # a non-finite loss or grad norm skips the step; this many in a row stop the run
-    kl_coef: float = 0.0  # >0 keeps a frozen reference policy and adds a k3 KL penalty
-    # auto: `mixed` when model.dtype is bfloat16 or float16, else `pure`. mixed: fp32 master
-    # weights and optimizer state, forward/backward autocast to model.dtype on a GPU (fp32 compute
-    # on a CPU); the engine gets the masters cast to model.dtype at every push. pure: everything in
-    # model.dtype; under bf16 an AdamW step of ~lr rounds away for most weights at lr 1e-6.
-    precision: str = "auto"
-    # Under trainer.precision=mixed on a GPU. true (TRL's default: torch autocast): the activations
-    # between the matmuls (residual stream, norms, what backward keeps) stay fp32. false (verl's
-    # FSDP and Megatron's default): the whole model computes in model.dtype from weight copies made
-    # once per update, the gradients still summed into the fp32 masters: fewer bytes moved and
-    # kept, at the rounding of a 16-bit residual stream.
-    fp32_activations: bool = True
-    # Under the weight copies of mixed precision on a GPU (not with DDP/FSDP, LoRA or compiled
-    # layers): each linear layer's weight gradient is summed into the fp32 master gradient inside
-    # its matmul (Megatron's gradient-accumulation fusion), not made in bf16 and added after: one
-    # pass less over the weights per micro-batch, and no bf16 rounding of each micro-batch's part
-    # (H100, 1B peer workload at micro-batch 32: train step 1.41 -> 1.39 s)
-    fuse_grad_accumulation: bool = True
-    # adamw: torch AdamW, state in the trainer's dtype. adamw_8bit: bitsandbytes' block-wise 8-bit
-    # AdamW (2 bytes of state per parameter instead of 8). adamw_bf16_sr: torchao's AdamW with bf16
-    # state and stochastic rounding of bf16 parameters (trainer.precision=pure, model.dtype=bfloat16).
-    optimizer: str = "adamw"
-    # Response positions per chunk of the output head in the log-prob forward: each chunk's logits
-    # (chunk x vocab) are reduced to log-sum-exp and the sampled token's logit, and recomputed in
-    # backward, so the (micro-batch x length x vocab) logits never exist; 0: the full logits
-    logprob_chunk: int = 1024
-    # auto | compiled | eager: how each chunk's logits become log-probs (the cast to fp32, the
-    # temperature, log-sum-exp and the sampled token's logit; in backward the softmax gradient).
-    # compiled: one torch.compile'd function (Inductor fuses them into a kernel or two that read the
-    # head's bf16 logits, where eager runs each op as a pass over fp32 logits). auto: compiled on a
-    # CUDA trainer, eager elsewhere (Inductor on a CPU needs a C++ compiler and compiles slowly)
-    logprob_kernel: str = "auto"
-    # The output head (a plain bias-free linear layer) and the chunks' log-softmax as one autograd
-    # function (colo_rl/trainer/head.py): the head's weight cast once per micro-batch, not in every
-    # chunk and its recomputation, and its gradient summed over the chunks in fp32 inside the
-    # matmuls on CUDA; same values. false: each chunk through the head module under activation
-    # checkpointing (a LoRA-adapted or otherwise wrapped head always goes that way)
-    fused_head: bool = True
-    # With the fused head: true recomputes each chunk's logits in backward; false keeps them from
-    # forward (micro-batch x max_tokens x vocab in model.dtype at the peak, 1.6 GiB for the 1B peer
-    # workload at micro-batch 32) and saves one head matmul per chunk (H100: 1.46 -> 1.41 s a train
-    # step). auto: the memory plan keeps them where they fit beside the chosen micro-batch (after
-    # it: a larger micro-batch gains more); true where nothing is planned (a CPU, trainer.parallel)
-    logprob_recompute: Any = "auto"
-    # Sequences go into micro-batches in order of length, so each pads to a length near its own
-    # (same loss and gradients up to float summation order); false: in batch order
-    sort_by_length: bool = True
-    # Dense bf16 peak of the training device in TFLOP/s, for perf/mfu; null: NVIDIA's figure for a
-    # known GPU (H100/H200 989, A100 312; colo_rl/trainer/flops.py), none logged on a CPU or other GPU
-    peak_tflops: Optional[float] = None
-    gradient_checkpointing: bool = False  # recompute activations in backward: less memory, ~1.3x the compute
-    # auto | none | liger: Liger's fused Triton kernels for RMSNorm, SwiGLU and RoPE (a CUDA
-    # trainer, liger-kernel installed, a model type it knows); same computation, fewer passes
-    # over the activations (H100, 1B peer workload: train step 3.19 -> 2.24 s). auto: liger
-    # wherever it can run (not with trainer.compile), else none
-    kernels: str = "auto"
-    # torch.compile each decoder layer (regional: compiled once, reused by every layer); the first
-    # train step pays the compilation
-    compile: bool = False
-    # auto | all | optimizer | none: what leaves the GPU while the engine is awake. auto: the
-    # start-up memory plan (colo_rl.planner) keeps on the GPU whatever fits beside the awake engine
-    # (on a CPU: all, as the CPU path always did)
-    offload: str = "auto"
-    overlap_restore: bool = True  # CUDA: AdamW state comes back on a side stream, under the next step's work
-    # Restore before the engine sleeps when the GPU has room for both (checked every step): the
-    # copies then run before the engine frees its memory, not in the contended second after
-    # (H200, 1B shape: the restore waited for 0.086 s instead of 0.143 s, switch 0.551 s not 0.664 s).
-    restore_while_awake: bool = True
-    # Keep torch's allocator cache (about the train step's peak) while the engine is awake, where
-    # the plan finds room for both: saves emptying it and allocating it again next step (0.046 s of
-    # the H200's 0.40 s switch), at the price of a device peak of trainer peak + awake engine
-    # (H100 peer run: 69.2 GiB against TRL's 59.1). Off by default: the memory is the scarcer.
-    keep_cache: bool = False
-    seed: int = 0
-    checkpoint_every: int = 0  # steps; 0: only at the end and on interruption
-    checkpoint_final: bool = True  # false: none at the end (a sweep that wants metrics only); faults still write one
-    # true: periodic and final checkpoints are copied to host memory (the step waits for that copy
-    # only) and written on a thread while the run goes on; needs host memory for one more copy of
-    # the trainer's state (1B shape, fp32 masters + AdamW: 16.6 GiB)
-    checkpoint_background: bool = False
-    resume: Optional[str] = None  # a checkpoint directory written by an earlier run
-    export_final: bool = False  # at the end, a Hugging Face model directory from the last checkpoint
-    export_dir: Optional[str] = None  # where export_final writes; null: OUTPUT_DIR/export
-    parallel: str = "none"  # none | ddp | fsdp: data parallel over torchrun's ranks (one GPU each)
+    device: str = described("auto", "auto | cuda | cpu: where the trainer runs; auto: CUDA when torch sees "
+                            "a GPU.")
+    steps: int = described(30, "Training steps (one generate and one update each).")
+    prompts_per_step: int = described(8, "Prompts per step; each gets sampling.n completions.")
+    micro_batch_size: Any = described("auto", "Sequences per forward/backward; gradients accumulate over "
+                                      "them (the loss's normalizer is the whole batch's, so the size "
+                                      "changes results only by summation order). Larger is faster and needs "
+                                      "more memory. auto: the memory plan picks the largest of "
+                                      "AUTO_MICRO_BATCHES that fits beside the sleeping engine on a GPU; "
+                                      "DEFAULT_MICRO_BATCH on CPU and under trainer.parallel.")
+    lr: float = described(1e-3, "Peak learning rate (suits the tiny embedded model; real models want far "
+                          "smaller).")
+    weight_decay: float = described(0.0, "AdamW's decoupled weight decay.")
+    betas: list[float] = described(help="AdamW's two moment decay rates, each in [0, 1).",
+                                   factory=lambda: [0.9, 0.999])
+    max_grad_norm: float = described(1.0, "Gradients are clipped to this global L2 norm.")
+    advantage_norm: str = described("mean", "mean: reward minus the group's mean (Dr. GRPO) | std: also "
+                                    "divided by the group's std (GRPO).")
+    loss_agg: str = described("token", "token: mean over all tokens of the batch | sequence: mean of each "
+                              "sequence's token mean | constant: sum / (sequences x max_tokens) (Dr. GRPO, "
+                              "no length bias).")
+    updates_per_batch: int = described(1, "Optimizer updates per batch; > 1 reuses the batch with the "
+                                       "PPO-clipped ratio.")
+    clip_eps: float = described(0.2, "PPO clip: the ratio is clipped to [1 - clip_eps, 1 + clip_eps].")
+    advantage_std: str = described("unbiased", "unbiased | population: the group std of "
+                                   "advantage_norm=std. unbiased (Bessel) is TRL's GRPOTrainer's and verl's, "
+                                   "so runs compare with theirs; population divides by n, giving "
+                                   "advantages sqrt(n/(n-1)) times larger.")
+    clip_eps_high: Optional[float] = described(None, "DAPO's clip-higher: the ratio is clipped to "
+                                               "[1 - clip_eps, 1 + clip_eps_high]; null: clip_eps.")
+    tis_cap: Optional[float] = described(None, "Truncated importance sampling of the engine/trainer mismatch "
+                                         "(TRL's vllm_importance_sampling_correction, verl's TIS): each "
+                                         "token's loss times min(exp(trainer - engine log-prob), tis_cap); "
+                                         "null: off. Needs the engine's log-probs on every step.")
+    lr_schedule: str = described("constant", "constant | linear | cosine: after the warmup, constant or a "
+                                 "decay to 0 at trainer.steps (transformers' get_*_schedule_with_warmup).")
+    warmup_steps: int = described(0, "The lr rises linearly from 0 over these steps (step 0 trains at lr 0 "
+                                  "when > 0).")
+    max_nonfinite_steps: int = described(3, "A step whose loss or grad norm is inf/NaN is skipped (no "
+                                         "update); this many in a row stop the run (TrainingDiverged) with "
+                                         "a checkpoint of the last good state.")
+    kl_coef: float = described(0.0, "> 0 keeps a frozen reference copy of the policy (its memory) and adds "
+                               "a k3 KL penalty of this weight.")
+    precision: str = described("auto", "auto | mixed | pure. mixed: fp32 master weights and optimizer state, "
+                               "forward/backward autocast to model.dtype on a GPU (fp32 compute on a CPU); "
+                               "the engine gets the masters cast to model.dtype at every push. pure: "
+                               "everything in model.dtype; under bf16 an AdamW step of a small lr rounds "
+                               "away for most weights. auto: mixed when model.dtype is bfloat16 or "
+                               "float16, else pure.")
+    fp32_activations: bool = described(True, "Under precision=mixed on a GPU. true (TRL's default: torch "
+                                       "autocast): the activations between the matmuls (residual stream, "
+                                       "norms, what backward keeps) stay fp32. false (verl's FSDP and "
+                                       "Megatron's default): the whole model computes in model.dtype from "
+                                       "weight copies made once per update, the gradients still summed "
+                                       "into the fp32 masters: fewer bytes moved and kept, at the rounding "
+                                       "of a 16-bit residual stream.")
+    fuse_grad_accumulation: bool = described(True, "Under the weight copies of mixed precision on a GPU "
+                                             "(not with DDP/FSDP, LoRA or compiled layers): each linear "
+                                             "layer's weight gradient is summed into the fp32 master "
+                                             "gradient inside its matmul (Megatron's gradient-accumulation "
+                                             "fusion), not made in bf16 and added after: one pass less over "
+                                             "the weights per micro-batch, and no bf16 rounding of each "
+                                             "micro-batch's part.")
+    optimizer: str = described("adamw", "adamw: torch AdamW, state in the trainer's dtype. adamw_8bit: "
+                               "bitsandbytes' block-wise 8-bit AdamW (2 bytes of state per parameter "
+                               "instead of 8). adamw_bf16_sr: torchao's AdamW with bf16 state and "
+                               "stochastic rounding of bf16 parameters (trainer.precision=pure, "
+                               "model.dtype=bfloat16).")
+    logprob_chunk: int = described(1024, "Response positions per chunk of the output head in the log-prob "
+                                   "forward: each chunk's logits (chunk x vocab) are reduced to log-sum-exp "
+                                   "and the sampled token's logit, and recomputed in backward, so the "
+                                   "(micro-batch x length x vocab) logits never exist; 0: the full logits.")
+    logprob_kernel: str = described("auto", "auto | compiled | eager: how each chunk's logits become "
+                                    "log-probs (the cast to fp32, the temperature, log-sum-exp, the sampled "
+                                    "token's logit; in backward the softmax gradient). compiled: one "
+                                    "torch.compile'd function (Inductor fuses them into a kernel or two "
+                                    "reading the head's bf16 logits, where eager runs each op as a pass over "
+                                    "fp32 logits). auto: compiled on a CUDA trainer, eager elsewhere "
+                                    "(Inductor on a CPU needs a C++ compiler and compiles slowly).")
+    fused_head: bool = described(True, "The output head (a plain bias-free linear layer) and the chunks' "
+                                 "log-softmax as one autograd function (colo_rl/trainer/head.py): the "
+                                 "head's weight cast once per micro-batch, not in every chunk and its "
+                                 "recomputation, and its gradient summed over the chunks in fp32 inside the "
+                                 "matmuls on CUDA; same values. false: each chunk through the head module "
+                                 "under activation checkpointing (a LoRA-adapted or otherwise wrapped head "
+                                 "always goes that way).")
+    logprob_recompute: Any = described("auto", "With the fused head: true recomputes each chunk's logits in "
+                                       "backward; false keeps them from forward (micro-batch x max_tokens x "
+                                       "vocab in model.dtype at the peak) and saves one head matmul per "
+                                       "chunk. auto: the memory plan keeps them where they fit beside the "
+                                       "chosen micro-batch (after it: a larger micro-batch gains more); "
+                                       "true where nothing is planned (a CPU, trainer.parallel).")
+    sort_by_length: bool = described(True, "Sequences go into micro-batches in order of length, so each pads "
+                                     "to a length near its own (same loss and gradients up to float "
+                                     "summation order); false: in batch order.")
+    peak_tflops: Optional[float] = described(None, "Dense bf16 peak of the training device in TFLOP/s, for "
+                                             "perf/mfu; null: the data-sheet figure of a known GPU "
+                                             "(colo_rl/trainer/flops.py), no MFU logged on a CPU or an "
+                                             "unknown GPU.")
+    gradient_checkpointing: bool = described(False, "Recompute activations in backward: less memory, more "
+                                             "compute.")
+    kernels: str = described("auto", "auto | none | liger: Liger's fused Triton kernels for RMSNorm, SwiGLU "
+                             "and RoPE (a CUDA trainer, liger-kernel installed, a model type it knows); the "
+                             "same computation in fewer passes over the activations. auto: liger wherever "
+                             "it can run (not with trainer.compile), else none.")
+    compile: bool = described(False, "torch.compile each decoder layer (regional: compiled once, reused by "
+                              "every layer); the first train step pays the compilation.")
+    offload: str = described("auto", "auto | all | optimizer | none: what leaves the GPU while the engine "
+                             "is awake. auto: the start-up memory plan (colo_rl.planner) keeps on the GPU "
+                             "whatever fits beside the awake engine (on a CPU: all).")
+    overlap_restore: bool = described(True, "CUDA: the optimizer's state comes back on a side stream, under "
+                                      "the next step's scoring and forward/backward; false waits for all of "
+                                      "it in the restore phase.")
+    restore_while_awake: bool = described(True, "Restore before the engine sleeps when the GPU has room for "
+                                          "both (checked every step): the copies then run before the "
+                                          "engine frees its memory, not in the contended moment after it.")
+    keep_cache: bool = described(False, "Keep torch's allocator cache (about the train step's peak) while "
+                                 "the engine is awake, where the plan finds room for both: saves emptying "
+                                 "and allocating it again every step, at the price of a device peak of "
+                                 "trainer peak + awake engine. Off by default: memory is the scarcer.")
+    seed: int = described(0, "Seed of torch's random state in the trainer (adapter initialisation, "
+                           "dropout) and of the engine.")
+    checkpoint_every: int = described(0, "Steps between checkpoints; 0: only at the end and on interruption.")
+    checkpoint_final: bool = described(True, "false: no checkpoint at the end (a sweep that wants metrics "
+                                       "only); a failure still writes one.")
+    checkpoint_background: bool = described(False, "true: periodic and final checkpoints are copied to host "
+                                            "memory (the step waits for that copy only) and written on a "
+                                            "thread while the run goes on; needs host memory for one more "
+                                            "copy of the trainer's state.")
+    resume: Optional[str] = described(None, "A checkpoint/ directory written by an earlier run, to continue "
+                                      "from.")
+    export_final: bool = described(False, "At the end, write a Hugging Face model directory from the last "
+                                   "checkpoint.")
+    export_dir: Optional[str] = described(None, "Where export_final writes; null: OUTPUT_DIR/export.")
+    parallel: str = described("none", "none | ddp | fsdp: data parallel over torchrun's ranks (one GPU each).")
     lora: LoraConfig = field(default_factory=LoraConfig)
 
     def __post_init__(self) -> None:
@@ -386,8 +447,8 @@ class TrainerConfig(Freezable):
         _one_of("trainer.kernels", self.kernels, ("auto", "none", "liger"))
         _check(not (self.kernels == "liger" and self.compile), "trainer.kernels", self.kernels,
                "cannot be combined with trainer.compile=true: Dynamo does not trace Liger's Triton "
-               "kernels (on an H100 the compiled Liger model's log-probs differed from the same model "
-               "run eagerly by up to 1.2); set trainer.kernels=auto (it leaves Liger off when compiling) or "
+               "kernels (the compiled Liger model's log-probs differ from the same model run "
+               "eagerly); set trainer.kernels=auto (it leaves Liger off when compiling) or "
                "trainer.compile=false")
         if self.parallel == "fsdp":
             if self.offload == "auto":
@@ -450,9 +511,9 @@ class TrainerConfig(Freezable):
 class ToyConfig(Freezable):
     """The built-in toy tasks' prompts: random strings over `alphabet`, generated from task.seed."""
 
-    target: str = "a"  # target_char: the character to emit
-    prompt_len: int = 4  # random characters per prompt
-    alphabet: str = "abcdefghijklmnopqrstuvwxyz"
+    target: str = described("a", "The character the target_char task rewards.")
+    prompt_len: int = described(4, "Random characters per prompt.")
+    alphabet: str = described("abcdefghijklmnopqrstuvwxyz", "Characters prompts are drawn from.")
 
     def __post_init__(self) -> None:
         _check(len(self.target) == 1, "task.toy.target", self.target, "must be one character")
@@ -466,12 +527,17 @@ class DatasetConfig(Freezable):
     """A Hugging Face dataset read offline: a local JSON/JSONL/CSV/Parquet file, a save_to_disk
     directory, or a hub dataset id already in the local cache."""
 
-    path: Optional[str] = None
-    split: str = "train"  # slices work for files and hub data: train[:90%]
-    eval_split: Optional[str] = None  # held-out prompts; null: eval.size rows held out of `split`
-    prompt_column: Optional[str] = "prompt"  # plain text, wrapped by model.prompt_template
-    messages_column: Optional[str] = None  # chat format [{role, content}, ...]; replaces prompt_column
-    reward_columns: Optional[list[str]] = None  # passed to the reward functions; null: all other columns
+    path: Optional[str] = described(None, "A .json/.jsonl/.csv/.parquet file, a save_to_disk directory, or "
+                                    "a hub dataset id already in the local cache.")
+    split: str = described("train", "The training split; slices work for files and hub data: train[:90%].")
+    eval_split: Optional[str] = described(None, "Split of the held-out prompts; null: eval.size rows held "
+                                          "out of `split`.")
+    prompt_column: Optional[str] = described("prompt", "Column of plain-text prompts, wrapped by "
+                                             "model.prompt_template (and the chat template if on).")
+    messages_column: Optional[str] = described(None, "Column of chat-format prompts [{role, content}, ...]; "
+                                               "replaces prompt_column.")
+    reward_columns: Optional[list[str]] = described(None, "Columns passed to the reward functions; null: "
+                                                    "every column besides the prompt's.")
 
     def __post_init__(self) -> None:
         _check(bool(self.prompt_column) or bool(self.messages_column), "task.dataset.prompt_column",
@@ -482,22 +548,22 @@ class DatasetConfig(Freezable):
 class TaskConfig(Freezable):
     """Where prompts come from and how completions are scored."""
 
-    name: str = "target_char"
-    kind: str = "target_char"  # target_char | copy (built-in toys) | dataset (task.dataset)
-    # reward functions by import path (module:function) or built-in name; their weighted sum is
-    # the GRPO reward
-    rewards: list[str] = field(default_factory=lambda: ["target_char"])
-    reward_weights: list[float] = field(default_factory=list)  # one per reward; empty: all 1
-    # DAPO's soft overlong punishment (the built-in reward `overlong`, added to task.rewards when > 0):
-    # the last this share of sampling.max_tokens costs up to task.overlong_penalty (DAPO: 0.2, 1.0)
-    overlong_buffer: float = 0.0
-    overlong_penalty: float = 1.0
-    # seconds one reward function's call may take on one batch; past it the run stops naming the
-    # function, with a checkpoint of the steps done (a function that never returns would hang it)
-    reward_timeout_s: float = 600.0
-    # longer prompts are skipped (counted and logged); null: generator.max_model_len - sampling.max_tokens
-    max_prompt_tokens: Optional[int] = None
-    seed: int = 0  # the order prompts are drawn in (shuffled epochs), and the toys' rows
+    name: str = described("target_char", "A label for the task in the run's config.")
+    kind: str = described("target_char", "target_char | copy (built-in toys) | dataset (task.dataset).")
+    rewards: list[str] = described(help="Reward functions by import path (module:function; the run's "
+                                   "directory is on sys.path) or built-in name; their weighted sum is the "
+                                   "GRPO reward.", factory=lambda: ["target_char"])
+    reward_weights: list[float] = described(help="One weight per reward function; empty: all 1.", factory=list)
+    overlong_buffer: float = described(0.0, "DAPO's soft overlong punishment (the built-in reward "
+                                       "`overlong`, added to task.rewards when > 0): the last this share of "
+                                       "sampling.max_tokens costs up to task.overlong_penalty; 0: off.")
+    overlong_penalty: float = described(1.0, "Weight of the overlong punishment (its largest cost).")
+    reward_timeout_s: float = described(600.0, "Seconds one reward function's call may take on one batch; "
+                                        "past it the run stops naming the function, with a checkpoint of "
+                                        "the steps done (a function that never returns would hang it).")
+    max_prompt_tokens: Optional[int] = described(None, "Longer prompts are skipped (counted and logged); "
+                                                 "null: generator.max_model_len - sampling.max_tokens.")
+    seed: int = described(0, "The order prompts are drawn in (shuffled epochs), and the toys' rows.")
     toy: ToyConfig = field(default_factory=ToyConfig)
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
 
@@ -525,11 +591,12 @@ class EvalConfig(Freezable):
     """Held-out evaluation through the same engine: before the first step, every `every` steps
     (in the same wake as that step's rollouts) and after the last."""
 
-    every: int = 10  # steps; 0: no evaluation
-    size: int = 32  # held-out prompts per evaluation (the first of the held-out set)
-    n: int = 1  # completions per prompt: eval/pass_at_<n>
-    temperature: float = 0.0  # greedy by default
-    pass_reward: float = 1.0  # a completion passes when its reward is at least this
+    every: int = described(10, "Steps between held-out evaluations; 0: no evaluation.")
+    size: int = described(32, "Held-out prompts per evaluation (the first of the held-out set).")
+    n: int = described(1, "Completions per prompt, for eval/pass_at_<n>.")
+    temperature: float = described(0.0, "Sampling temperature of the evaluation; 0: greedy (then n must "
+                                   "be 1).")
+    pass_reward: float = described(1.0, "A completion passes when its reward is at least this.")
 
     def __post_init__(self) -> None:
         _check(self.every >= 0, "eval.every", self.every, "must be >= 0 (0: no evaluation)")
@@ -545,15 +612,17 @@ class EvalConfig(Freezable):
 class LoggerConfig(Freezable):
     """Where metrics go besides metrics.jsonl (always written)."""
 
-    backend: str = "wandb"  # wandb | none
-    mode: str = "auto"  # auto (online when an API key is configured, else offline) | online | offline | disabled
-    project: str = "colo_rl"
-    entity: Optional[str] = None
-    group: Optional[str] = None  # default in multirun: the sweep directory
-    name: Optional[str] = None  # default in multirun: the job's overrides
-    tags: list[str] = field(default_factory=list)
-    progress: bool = True  # one progress bar over steps
-    log_completions: int = 8  # first completions of each step to samples.jsonl and a W&B table
+    backend: str = described("wandb", "wandb | none: where metrics go besides metrics.jsonl.")
+    mode: str = described("auto", "auto | online | offline | disabled: W&B's mode; auto: online when a W&B "
+                          "API key is configured, else offline.")
+    project: str = described("colo_rl", "W&B project.")
+    entity: Optional[str] = described(None, "W&B entity (user or team); null: the API key's default.")
+    group: Optional[str] = described(None, "W&B group; null: in a multirun, the sweep directory.")
+    name: Optional[str] = described(None, "W&B run name; null: in a multirun, the job's overrides.")
+    tags: list[str] = described(help="W&B tags.", factory=list)
+    progress: bool = described(True, "One progress bar over the steps.")
+    log_completions: int = described(8, "First completions of each step written to samples.jsonl and a W&B "
+                                     "table; 0: none.")
 
     def __post_init__(self) -> None:
         _one_of("logger.backend", self.backend, ("wandb", "none"))
@@ -572,11 +641,11 @@ class RunConfig(Freezable):
     task: TaskConfig = field(default_factory=TaskConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
-    output_dir: Optional[str] = None  # default: Hydra's runtime.output_dir
-    # true: a run without trainer.resume into a directory holding an earlier run's checkpoint
-    # replaces it (and drops its metrics); false: such a run is refused
-    overwrite_output_dir: bool = False
-    debug: bool = False  # true: input errors show their traceback too (colo_rl.cli)
+    output_dir: Optional[str] = described(None, "The run's directory; null: Hydra's runtime.output_dir.")
+    overwrite_output_dir: bool = described(False, "true: a run without trainer.resume into a directory "
+                                           "holding an earlier run's checkpoint replaces it (and drops its "
+                                           "metrics); false: such a run is refused.")
+    debug: bool = described(False, "true: input errors show their traceback too (colo_rl.cli).")
 
 
 def package_dir(name: str) -> Path:
@@ -712,8 +781,8 @@ def trainer_precision(settings: RunConfig) -> str:
 
 
 # trainer.micro_batch_size=auto: the memory plan takes the largest of these whose activations fit
-# beside the sleeping engine (32 was the fastest measured on the 1B peer workload, H100:
-# benchmarks/RESULTS.md 2026-12-06e/f); DEFAULT_MICRO_BATCH where nothing is planned (a CPU run,
+# beside the sleeping engine (larger micro-batches run faster until the GPU is saturated, and 32
+# was where the gain ended on a 1B model); DEFAULT_MICRO_BATCH where nothing is planned (a CPU run,
 # a model the planner cannot read) and under trainer.parallel, whose ranks must agree on it
 AUTO_MICRO_BATCHES = (32, 16, 8, 4, 2, 1)
 DEFAULT_MICRO_BATCH = 16
