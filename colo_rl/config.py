@@ -60,12 +60,15 @@ def _one_of(key: str, value: Any, choices: tuple) -> None:
     _check(value in choices, key, value, f"must be one of {', '.join(map(str, choices))}")
 
 
-def described(default: Any = MISSING, help: str = "", *, factory: Optional[Callable[[], Any]] = None) -> Any:
+def described(default: Any = MISSING, help: str = "", *, factory: Optional[Callable[[], Any]] = None,
+              type_name: Optional[str] = None) -> Any:
     """A config key's dataclass field with its one description, `help` (what it does, its unit, its
-    trade-off): docs/config.md is generated from it (colo_rl.docs). `factory` for a mutable default."""
+    trade-off): docs/config.md is generated from it (colo_rl.docs). `factory` for a mutable default;
+    `type_name` for the reference where the annotation (Any) cannot say what the key takes."""
+    metadata = {"help": help, **({"type": type_name} if type_name else {})}
     if factory is not None:
-        return field(default_factory=factory, metadata={"help": help})
-    return field(default=default, metadata={"help": help})
+        return field(default_factory=factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
 @dataclass
@@ -181,13 +184,12 @@ class GeneratorConfig(Freezable):
     python: str = described("", "Interpreter of the engine's environment (one that has vllm); \"\": this one.")
     device: str = described("auto", "auto | cuda | cpu: where the engine runs; auto: CUDA when torch sees "
                             "a GPU.")
-    gpu_memory_utilization: Any = described(0.5, "Fraction of the GPU the engine may take while awake (the "
-                                            "trainer gets it back while it sleeps), in (0, 1], or auto: the "
-                                            "start-up memory plan (colo_rl.planner) gives it the KV cache "
-                                            "of every sequence of a step, or what is left. A run's default "
-                                            "is auto (conf/generator/default.yaml); the schema's 0.5 is for "
-                                            "code that builds a GeneratorConfig and starts an engine "
-                                            "without a plan (benchmarks, tests).")
+    gpu_memory_utilization: Any = described(0.5, type_name="float or auto", help=(
+        "Fraction of the GPU the engine may take while awake (the trainer gets it back while it "
+        "sleeps), in (0, 1], or auto: the start-up memory plan (colo_rl.planner) gives it the KV "
+        "cache of every sequence of a step, or what is left. A run's default is auto "
+        "(conf/generator/default.yaml); the schema's 0.5 is for code that builds a "
+        "GeneratorConfig and starts an engine without a plan (benchmarks, tests)."))
     staging_dir: str = described("auto", "Where weight files go for weight_sync=file; auto: /dev/shm (RAM) "
                                  "when present.")
     max_model_len: int = described(256, "Longest sequence (prompt + completion) the engine serves, in tokens.")
@@ -302,12 +304,12 @@ class TrainerConfig(Freezable):
                             "a GPU.")
     steps: int = described(30, "Training steps (one generate and one update each).")
     prompts_per_step: int = described(8, "Prompts per step; each gets sampling.n completions.")
-    micro_batch_size: Any = described("auto", "Sequences per forward/backward; gradients accumulate over "
-                                      "them (the loss's normalizer is the whole batch's, so the size "
-                                      "changes results only by summation order). Larger is faster and needs "
-                                      "more memory. auto: the memory plan picks the largest of "
-                                      "AUTO_MICRO_BATCHES that fits beside the sleeping engine on a GPU; "
-                                      "DEFAULT_MICRO_BATCH on CPU and under trainer.parallel.")
+    micro_batch_size: Any = described("auto", type_name="int or auto", help=(
+        "Sequences per forward/backward; gradients accumulate over them (the loss's normalizer is"
+        " the whole batch's, so the size changes results only by summation order). Larger is "
+        "faster and needs more memory. auto: the memory plan picks the largest of "
+        "AUTO_MICRO_BATCHES that fits beside the sleeping engine on a GPU; DEFAULT_MICRO_BATCH on"
+        " CPU and under trainer.parallel."))
     lr: float = described(1e-3, "Peak learning rate (suits the tiny embedded model; real models want far "
                           "smaller).")
     weight_decay: float = described(0.0, "AdamW's decoupled weight decay.")
@@ -384,12 +386,12 @@ class TrainerConfig(Freezable):
                                  "matmuls on CUDA; same values. false: each chunk through the head module "
                                  "under activation checkpointing (a LoRA-adapted or otherwise wrapped head "
                                  "always goes that way).")
-    logprob_recompute: Any = described("auto", "With the fused head: true recomputes each chunk's logits in "
-                                       "backward; false keeps them from forward (micro-batch x max_tokens x "
-                                       "vocab in model.dtype at the peak) and saves one head matmul per "
-                                       "chunk. auto: the memory plan keeps them where they fit beside the "
-                                       "chosen micro-batch (after it: a larger micro-batch gains more); "
-                                       "true where nothing is planned (a CPU, trainer.parallel).")
+    logprob_recompute: Any = described("auto", type_name="bool or auto", help=(
+        "With the fused head: true recomputes each chunk's logits in backward; false keeps them "
+        "from forward (micro-batch x max_tokens x vocab in model.dtype at the peak) and saves one"
+        " head matmul per chunk. auto: the memory plan keeps them where they fit beside the "
+        "chosen micro-batch (after it: a larger micro-batch gains more); true where nothing is "
+        "planned (a CPU, trainer.parallel)."))
     sort_by_length: bool = described(True, "Sequences go into micro-batches in order of length, so each pads "
                                      "to a length near its own (same loss and gradients up to float "
                                      "summation order); false: in batch order.")
