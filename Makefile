@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	$(VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec || true
 	touch $(STAMP)
 
-.PHONY: install demo test
+.PHONY: install demo test docs
 install: $(STAMP)
 
 demo: $(STAMP)
@@ -22,3 +22,6 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest tests -q -rs
+
+docs: $(STAMP)  # the config reference, from the schema's descriptions (tests/test_docs.py checks it)
+	$(VENV)/bin/python -m colo_rl.docs > docs/config.md
