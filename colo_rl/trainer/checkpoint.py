@@ -396,7 +396,7 @@ def load_checkpoint(directory: str | Path, trainer: TrainerState, *, config: dic
     """Verify, compare (with `config`: the run's resolved config) and load a checkpoint written
     by save_checkpoint into `trainer`, with every RNG state; returns its `extra`. `verified`: the
     caller has just checked its files against the manifest (verify_checkpoint), so they are not
-    hashed twice (a 1B policy with fp32 AdamW state is 18 GB)."""
+    hashed twice (fp32 masters with AdamW state are 16 bytes a parameter)."""
     directory = Path(directory)
     if config is not None:
         check_compatible(directory, config)
