@@ -302,14 +302,14 @@ class TrainerConfig(Freezable):
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
     device: str = described("auto", "auto | cuda | cpu: where the trainer runs; auto: CUDA when torch sees "
                             "a GPU.")
-    steps: int = described(30, "Training steps (one generate and one update each).")
+    steps: int = described(30, "Training steps: each generates rollouts and updates the policy on them.")
     prompts_per_step: int = described(8, "Prompts per step; each gets sampling.n completions.")
     micro_batch_size: Any = described("auto", type_name="int or auto", help=(
-        "Sequences per forward/backward; gradients accumulate over them (the loss's normalizer is"
-        " the whole batch's, so the size changes results only by summation order). Larger is "
+        "Sequences per forward/backward; gradients accumulate over them (the loss's normalizer is "
+        "the whole batch's, so the size changes results only by summation order). Larger is "
         "faster and needs more memory. auto: the memory plan picks the largest of "
-        "AUTO_MICRO_BATCHES that fits beside the sleeping engine on a GPU; DEFAULT_MICRO_BATCH on"
-        " CPU and under trainer.parallel."))
+        "colo_rl.config.AUTO_MICRO_BATCHES that fits beside the sleeping engine on a GPU; "
+        "DEFAULT_MICRO_BATCH on CPU and under trainer.parallel."))
     lr: float = described(1e-3, "Peak learning rate (suits the tiny embedded model; real models want far "
                           "smaller).")
     weight_decay: float = described(0.0, "AdamW's decoupled weight decay.")
@@ -388,8 +388,8 @@ class TrainerConfig(Freezable):
                                  "always goes that way).")
     logprob_recompute: Any = described("auto", type_name="bool or auto", help=(
         "With the fused head: true recomputes each chunk's logits in backward; false keeps them "
-        "from forward (micro-batch x max_tokens x vocab in model.dtype at the peak) and saves one"
-        " head matmul per chunk. auto: the memory plan keeps them where they fit beside the "
+        "from forward (micro-batch x max_tokens x vocab in model.dtype at the peak) and saves one "
+        "head matmul per chunk. auto: the memory plan keeps them where they fit beside the "
         "chosen micro-batch (after it: a larger micro-batch gains more); true where nothing is "
         "planned (a CPU, trainer.parallel)."))
     sort_by_length: bool = described(True, "Sequences go into micro-batches in order of length, so each pads "
