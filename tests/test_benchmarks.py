@@ -4,11 +4,13 @@ same arms and overrides the GPU call runs, each script in its own process, real 
 
 from __future__ import annotations
 
+import getpass
 import json
 import os
 import subprocess
 import sys
 import tarfile
+import tempfile
 from functools import reduce
 
 import pytest
@@ -109,8 +111,13 @@ def check_step(step: dict, spec: dict, kind: str) -> None:
 def test_every_arm_set_runs_whole_in_its_cpu_smoke_form(name, tmp_path):
     out, tmp = tmp_path / "out", tmp_path / "tmp"
     tmp.mkdir()
+    # TMPDIR: the runner's work directory must be gone at the end. torch's compile cache stays where the
+    # suite's other runs keep it (by default under TMPDIR), or every arm set would compile afresh
+    inductor = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(tempfile.gettempdir(),
+                                                                         f"torchinductor_{getpass.getuser()}")
     done = subprocess.run([sys.executable, "benchmarks/run.py", name, "--smoke", "--out", str(out)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=1800, env=dict(os.environ, TMPDIR=str(tmp)))
+                          capture_output=True, text=True, timeout=1800,
+                          env=dict(os.environ, TMPDIR=str(tmp), TORCHINDUCTOR_CACHE_DIR=inductor))
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     results = json.loads((out / f"{name}.json").read_text())
     specs = [step_kind(step) for step in ARMSETS[name]["steps"]]

@@ -16,6 +16,7 @@ import pytest
 
 from colo_rl.cli import input_error_message
 from colo_rl.config import validate
+from colo_rl.trainer.algorithms import check_algorithm
 
 from .conftest import ROOT, compose_config
 
@@ -90,7 +91,7 @@ COMPOSE_ERRORS = {
 def test_hydra_composition_errors_become_one_line_naming_the_key(name):
     overrides, expected = COMPOSE_ERRORS[name]
     with pytest.raises(Exception) as info:
-        validate(compose_config(*overrides))
+        check_algorithm(validate(compose_config(*overrides)))  # the checks Run makes before the engine starts
     message = input_error_message(info.value)
     assert message is not None and expected in message, message
     assert "\n" not in message and "full_key" not in message
