@@ -118,7 +118,9 @@ def main(argv=None) -> int:
     llm = LLM(model=str(model_dir), tokenizer=str(model_dir), dtype=cfg.dtype,
               max_model_len=args.prompt_len + args.max_tokens + 8, max_num_seqs=256, seed=0,
               enforce_eager=not cuda, enable_lora=True, max_lora_rank=args.rank, max_loras=1, max_cpu_loras=2,
-              **({"gpu_memory_utilization": args.gpu_memory_utilization} if cuda else {}))
+              # on the CPU vLLM reserves this fraction of the host's memory (its default, 0.92, fails
+              # beside any other process): the workload's fraction there too
+              gpu_memory_utilization=args.gpu_memory_utilization)
     start_s = time.perf_counter() - start
     params = SamplingParams(n=args.n, temperature=1.0, max_tokens=args.max_tokens, ignore_eos=True)
     token_prompts = [TokensPrompt(prompt_token_ids=p) for p in prompts]
