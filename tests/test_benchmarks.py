@@ -106,19 +106,30 @@ def check_step(step: dict, spec: dict, kind: str) -> None:
         assert all(run["exit_code"] == 0 and run["modules"] > 100 for run in raw["runs"])
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(ARMSETS))
-def test_every_arm_set_runs_whole_in_its_cpu_smoke_form(name, tmp_path):
-    out, tmp = tmp_path / "out", tmp_path / "tmp"
+@pytest.fixture(scope="module")
+def smoke_call(tmp_path_factory):
+    """Every arm set in one smoke call of the runner, as the GPU call runs one: a step or arm that an
+    earlier set already ran is run once (the sets share anchors)."""
+    root = tmp_path_factory.mktemp("smoke")
+    out, tmp = root / "out", root / "tmp"
     tmp.mkdir()
-    # TMPDIR: the runner's work directory must be gone at the end. torch's compile cache stays where the
-    # suite's other runs keep it (by default under TMPDIR), or every arm set would compile afresh
+    # TMPDIR: the runner's work directories must be gone at the end. torch's compile cache stays where
+    # the suite's other runs keep it (by default under TMPDIR), or every arm set would compile afresh
     inductor = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(tempfile.gettempdir(),
                                                                          f"torchinductor_{getpass.getuser()}")
-    done = subprocess.run([sys.executable, "benchmarks/run.py", name, "--smoke", "--out", str(out)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=1800,
+    done = subprocess.run([sys.executable, "benchmarks/run.py", "--all", "--smoke", "--out", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=3600,
                           env=dict(os.environ, TMPDIR=str(tmp), TORCHINDUCTOR_CACHE_DIR=inductor))
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    return done, out, tmp
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(ARMSETS))
+def test_every_arm_set_runs_whole_in_its_cpu_smoke_form(name, smoke_call):
+    done, out, tmp = smoke_call
+    assert f"== {name}: " in done.stdout, done.stdout[-4000:] + done.stderr[-2000:]
+    assert f"== {name}: {len(ARMSETS[name]['steps'])} steps, failed: none;" in done.stdout, \
+        done.stdout[-4000:] + done.stderr[-2000:]
     results = json.loads((out / f"{name}.json").read_text())
     specs = [step_kind(step) for step in ARMSETS[name]["steps"]]
     assert [step["kind"] for step in results["steps"]] == [kind for kind, _ in specs]
@@ -131,4 +142,14 @@ def test_every_arm_set_runs_whole_in_its_cpu_smoke_form(name, tmp_path):
     with tarfile.open(out / f"{name}_logs.tgz") as tar:
         names = tar.getnames()
     assert names and not any(n.endswith(".safetensors") for n in names)
-    assert not list(tmp.glob("colo_rl_bench_*"))  # the temporary work directory is gone
+    assert not list(tmp.glob("colo_rl_bench_*"))  # the temporary work directories are gone
+
+
+def test_a_smoke_call_of_several_arm_sets_runs_a_shared_step_once(smoke_call):
+    """lora24_tests is made of other sets' steps (armsets.yaml's anchors): in one smoke call each ran
+    once, and the later set points at where."""
+    done, out, _ = smoke_call
+    steps = json.loads((out / "lora24_tests.json").read_text())["steps"]
+    assert [step["same_as"].split("/")[0] for step in steps] == ["head", "lora24", "lora24", "cuda_init"], steps
+    started = [line for line in done.stdout.splitlines() if line.startswith("== lora_24gib: ")]
+    assert len(started) == 2 and "peer_workload.py" in started[0] and "the same as lora24/" in started[1], started
