@@ -1,5 +1,5 @@
 """Peak memory and time of one GRPO forward+backward with the full-vocabulary logits
-(trainer.logprob_chunk=0) against the chunked output head (trainer.logprob_chunk=N).
+(trainer.perf.logprob_chunk=0) against the chunked output head (trainer.perf.logprob_chunk=N).
 
     python benchmarks/logprob_memory.py --out $OUT/logprob_memory.json                 # CPU, ~1 min
     python benchmarks/logprob_memory.py --device cuda --vocab 100352 --hidden 2048 --layers 16 \\
@@ -41,7 +41,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--completion", type=int, default=256)
-    p.add_argument("--chunks", default="0,1024,256", help="comma-separated trainer.logprob_chunk values")
+    p.add_argument("--chunks", default="0,1024,256", help="comma-separated trainer.perf.logprob_chunk values")
     p.add_argument("--precision", default="mixed", choices=["mixed", "fp32"],
                    help="mixed: fp32 weights, bf16 autocast (CUDA only); fp32: no autocast")
     p.add_argument("--repeats", type=int, default=3)

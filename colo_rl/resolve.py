@@ -26,8 +26,8 @@ from colo_rl.trainer.kernels import check_kernels
 
 RESOLVED_FILE = "resolved.yaml"
 # decided by the memory plan, whose table prints them with their reasons
-PLAN_KEYS = ("trainer.offload", "generator.gpu_memory_utilization", "trainer.micro_batch_size",
-             "trainer.logprob_recompute")
+PLAN_KEYS = ("trainer.memory.offload", "generator.gpu_memory_utilization", "trainer.micro_batch_size",
+             "trainer.memory.logprob_recompute")
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,7 @@ def resolve_settings(settings: RunConfig, *, model_dir: Path, device: str, task=
                  _precision(settings)]
     t.device, g.device, t.precision = (d.value for d in decisions)
     kernels = check_kernels(t.kernels, device, model_dir, resolved.model.trust_remote_code, t.compile)
-    decisions.append(Decision("trainer.kernels", kernels, _kernels_reason(settings.trainer.kernels, kernels)))
+    decisions.append(Decision("trainer.perf.kernels", kernels, _kernels_reason(settings.trainer.perf.kernels, kernels)))
     t.kernels = kernels
     decisions.append(_logprob_kernel(t.logprob_kernel, device))
     t.logprob_kernel = decisions[-1].value
@@ -112,7 +112,7 @@ def _device(key: str, requested: str) -> Decision:
 
 def _precision(settings: RunConfig) -> Decision:
     value = trainer_precision(settings)
-    return Decision("trainer.precision", value,
+    return Decision("trainer.memory.precision", value,
                     f"model.dtype={settings.model.dtype}: " + ("fp32 masters beside 16-bit compute" if value == "mixed"
                                                               else "the parameters' own dtype throughout"))
 
@@ -120,15 +120,15 @@ def _precision(settings: RunConfig) -> Decision:
 def _kernels_reason(requested: str, value: str) -> str:
     if requested != "auto":
         return "as given"
-    return ("a CUDA trainer, liger-kernel installed, a model type it knows, trainer.compile off" if value == "liger"
-            else "Liger's kernels need a CUDA trainer, liger-kernel, a model type it knows and trainer.compile off")
+    return ("a CUDA trainer, liger-kernel installed, a model type it knows, trainer.perf.compile off" if value == "liger"
+            else "Liger's kernels need a CUDA trainer, liger-kernel, a model type it knows and trainer.perf.compile off")
 
 
 def _logprob_kernel(requested: str, device: str) -> Decision:
     if requested != "auto":
-        return Decision("trainer.logprob_kernel", requested, "as given")
+        return Decision("trainer.perf.logprob_kernel", requested, "as given")
     cuda = device.startswith("cuda")
-    return Decision("trainer.logprob_kernel", "compiled" if cuda else "eager",
+    return Decision("trainer.perf.logprob_kernel", "compiled" if cuda else "eager",
                     "a CUDA trainer: the head's chunks compiled" if cuda else "off CUDA: eager")
 
 
@@ -154,7 +154,7 @@ def _logprobs_every(requested: int | None, tis_cap: float | None) -> Decision:
         return Decision("sampling.logprobs_every", requested, "as given")
     every = 1 if tis_cap is not None else 10
     return Decision("sampling.logprobs_every", every,
-                    "trainer.tis_cap needs the engine's log-probs on every step" if every == 1 else
+                    "trainer.algo.tis_cap needs the engine's log-probs on every step" if every == 1 else
                     "train/engine_logprob_gap every 10 steps; the others sample at full speed")
 
 

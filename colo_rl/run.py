@@ -207,7 +207,7 @@ class Run:
             # damaged checkpoint or one with no steps left to do stops here
             done_steps = verify_checkpoint(t.resume).get("step", 0)
             if done_steps >= t.steps:
-                raise ConfigError(f"trainer.resume={t.resume} holds a run that already did {done_steps} "
+                raise ConfigError(f"trainer.checkpoint.resume={t.resume} holds a run that already did {done_steps} "
                                   f"steps, so trainer.steps={t.steps} leaves none to do: raise trainer.steps "
                                   f"above {done_steps}")
         if s.n == 1:
@@ -294,7 +294,7 @@ class Run:
                 policy = load_trainer_policy(settings, model_dir, device)
             trainer, offloader, start_step = _build_trainer(settings, policy.to(device), device, self.par,
                                                             self.tokenizer, task, stages)
-            if plan.engine_wake_bytes:  # trainer.keep_cache: the cache stays where the engine wakes beside it
+            if plan.engine_wake_bytes:  # trainer.memory.keep_cache: the cache stays where the engine wakes beside it
                 offloader.keep_cache_if_free = int(plan.engine_wake_bytes)
         with engine_log_status("engine starting", generator.log_path):
             generator.ensure_started(trainer.model)  # the weight mapping; a full start if none ran
@@ -355,7 +355,7 @@ class Run:
                     r.batch.prompt_ids, r.rollouts.completion_ids, r.rewards, settings.sampling.n,
                     engine_logprobs=r.rollouts.logprobs,
                     truncated=[reason == "length" for reason in r.rollouts.finish_reasons])
-            metrics = step_metrics(r, train_metrics, p.trainer, p.switch, settings.trainer.peak_tflops,
+            metrics = step_metrics(r, train_metrics, p.trainer, p.switch, settings.trainer.perf.peak_tflops,
                                    p.task.rewards.metrics(r.values))
             if par.enabled:
                 gathered = par.gather((metrics, r.rewards))
@@ -366,11 +366,11 @@ class Run:
                 p.logger.log_samples(sample_rows(step, r.batch, r.rollouts.texts, r.rewards, r.values, settings,
                                                  r.rollouts.completion_ids))
             done.update(step=step + 1, sampler=p.task.sampler.state())
-        _check_finite(p.trainer, step, settings.trainer.max_nonfinite_steps)
+        _check_finite(p.trainer, step, settings.trainer.optim.max_nonfinite_steps)
 
     # -- the end ----------------------------------------------------------------------------
     def export(self) -> None:
-        """trainer.export_final: the final checkpoint as a Hugging Face model directory."""
+        """trainer.checkpoint.export: the final checkpoint as a Hugging Face model directory."""
         t = self.settings.trainer
         export_checkpoint(self.output_dir / "checkpoint", export_target(t.export_dir, self.output_dir))
 
@@ -387,13 +387,13 @@ class Run:
 
 
 def _check_finite(trainer: GRPOTrainer, step: int, limit: int) -> None:
-    """Stops the run after trainer.max_nonfinite_steps skipped updates in a row."""
+    """Stops the run after trainer.optim.max_nonfinite_steps skipped updates in a row."""
     if trainer.nonfinite_in_a_row >= limit:
         raise TrainingDiverged(
             f"step {step}: the loss or gradient norm was not finite in {trainer.nonfinite_in_a_row} "
-            f"steps in a row (trainer.max_nonfinite_steps={limit}); their updates were skipped, so the "
-            "trainer holds the last finite update's state: lower trainer.lr (or trainer.kl_coef, "
-            "trainer.max_grad_norm), or look for inf/NaN rewards (task.rewards, task.reward_weights), "
+            f"steps in a row (trainer.optim.max_nonfinite_steps={limit}); their updates were skipped, so the "
+            "trainer holds the last finite update's state: lower trainer.lr (or trainer.algo.kl_coef, "
+            "trainer.optim.max_grad_norm), or look for inf/NaN rewards (task.rewards, task.reward_weights), "
             "before resuming")
 
 

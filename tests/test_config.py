@@ -75,13 +75,13 @@ def test_wrong_type_fails_at_compose_naming_the_key():
 
 
 @pytest.mark.parametrize("override,key", [
-    ("trainer.advantage_std=sample", "trainer.advantage_std='sample' must be one of unbiased, population"),
-    ("trainer.clip_eps_high=-0.1", "trainer.clip_eps_high=-0.1 must be null"),
-    ("trainer.tis_cap=0", "trainer.tis_cap=0.0 must be null .off. or > 0"),
-    ("trainer.lr_schedule=step", "trainer.lr_schedule='step' must be one of constant, linear, cosine"),
-    ("trainer.warmup_steps=-1", "trainer.warmup_steps=-1 must be in [[]0, trainer.steps=30[)]"),
-    ("trainer.warmup_steps=30", "trainer.warmup_steps=30 must be in [[]0, trainer.steps=30[)]"),
-    ("trainer.max_nonfinite_steps=0", "trainer.max_nonfinite_steps=0 must be >= 1"),
+    ("trainer.algo.advantage_std=sample", "trainer.algo.advantage_std='sample' must be one of unbiased, population"),
+    ("trainer.algo.clip_eps_high=-0.1", "trainer.algo.clip_eps_high=-0.1 must be null"),
+    ("trainer.algo.tis_cap=0", "trainer.algo.tis_cap=0.0 must be null .off. or > 0"),
+    ("trainer.optim.lr_schedule=step", "trainer.optim.lr_schedule='step' must be one of constant, linear, cosine"),
+    ("trainer.optim.warmup_steps=-1", "trainer.optim.warmup_steps=-1 must be in [[]0, trainer.steps=30[)]"),
+    ("trainer.optim.warmup_steps=30", "trainer.optim.warmup_steps=30 must be in [[]0, trainer.steps=30[)]"),
+    ("trainer.optim.max_nonfinite_steps=0", "trainer.optim.max_nonfinite_steps=0 must be >= 1"),
 ])
 def test_grpo_numerics_keys_out_of_range_fail_in_validate_naming_the_key(override, key):
     with pytest.raises(ConfigError, match=key.replace("(", r"\(")):
@@ -89,14 +89,14 @@ def test_grpo_numerics_keys_out_of_range_fail_in_validate_naming_the_key(overrid
 
 
 def test_truncated_importance_sampling_needs_the_engines_logprobs_at_the_trainers_temperature():
-    with pytest.raises(ConfigError, match="sampling.logprobs=False must be true with trainer.tis_cap=2.0"):
-        validate(compose_config("trainer.tis_cap=2", "sampling.logprobs=false"))
+    with pytest.raises(ConfigError, match="sampling.logprobs=False must be true with trainer.algo.tis_cap=2.0"):
+        validate(compose_config("trainer.algo.tis_cap=2", "sampling.logprobs=false"))
     with pytest.raises(ConfigError, match="sampling.temperature=0.7 needs "
                                           r"generator.engine_kwargs.logprobs_mode=processed_logprobs"):
-        validate(compose_config("trainer.tis_cap=2", "sampling.temperature=0.7",
+        validate(compose_config("trainer.algo.tis_cap=2", "sampling.temperature=0.7",
                                 "+generator.engine_kwargs.logprobs_mode=raw_logprobs"))
-    validate(compose_config("trainer.tis_cap=2", "sampling.temperature=0.7"))
-    assert validate(compose_config("trainer.tis_cap=2")).trainer.tis_cap == 2.0
+    validate(compose_config("trainer.algo.tis_cap=2", "sampling.temperature=0.7"))
+    assert validate(compose_config("trainer.algo.tis_cap=2")).trainer.algo.tis_cap == 2.0
 
 
 def test_engine_logprobs_are_asked_for_every_kth_step_and_every_step_under_tis():
@@ -109,12 +109,12 @@ def test_engine_logprobs_are_asked_for_every_kth_step_and_every_step_under_tis()
     assert due() == [0, 10, 20]  # null: every 10th step without TIS
     assert due("sampling.logprobs_every=4") == [0, 4, 8, 12, 16, 20, 24]
     assert due("sampling.logprobs_every=1") == list(range(25))
-    assert due("trainer.tis_cap=2") == list(range(25))  # null with TIS: every step
-    assert due("trainer.tis_cap=2", "sampling.logprobs_every=1") == list(range(25))
+    assert due("trainer.algo.tis_cap=2") == list(range(25))  # null with TIS: every step
+    assert due("trainer.algo.tis_cap=2", "sampling.logprobs_every=1") == list(range(25))
     assert due("sampling.logprobs=false", "sampling.logprobs_every=1") == []
     with pytest.raises(ConfigError, match=r"sampling.logprobs_every=5 must be 1 or null with "
-                                          r"trainer.tis_cap=2.0 .*set sampling.logprobs_every=null"):
-        validate(compose_config("trainer.tis_cap=2", "sampling.logprobs_every=5"))
+                                          r"trainer.algo.tis_cap=2.0 .*set sampling.logprobs_every=null"):
+        validate(compose_config("trainer.algo.tis_cap=2", "sampling.logprobs_every=5"))
     with pytest.raises(ConfigError, match="sampling.logprobs_every=0 must be null"):
         validate(compose_config("sampling.logprobs_every=0"))
 
@@ -139,7 +139,7 @@ def test_a_step_is_seeded_once_per_rank_or_once_per_prompt_by_seed_scope():
     ("sampling.top_p=0", "sampling.top_p"),
     ("sampling.seed_scope=request", "sampling.seed_scope='request' must be one of batch, prompt"),
     ("sampling.max_tokens=300", "sampling.max_tokens=300 must be below generator.max_model_len"),
-    ("trainer.offload=everything", "trainer.offload"),
+    ("trainer.memory.offload=everything", "trainer.memory.offload"),
     ("task.toy.target=ab", "task.toy.target"),
     ("task.kind=csv", "task.kind"),
     ("task.rewards=[]", "task.rewards"),
@@ -153,7 +153,7 @@ def test_a_step_is_seeded_once_per_rank_or_once_per_prompt_by_seed_scope():
     ("logger.log_completions=-1", "logger.log_completions"),
     ("model.prompt_template=no_placeholder", "model.prompt_template"),
     ("generator.python=/nonexistent/python", "generator.python"),
-    ("trainer.resume=/nonexistent/checkpoint", "trainer.resume"),
+    ("trainer.checkpoint.resume=/nonexistent/checkpoint", "trainer.checkpoint.resume"),
     ("trainer.parallel=zero3", "trainer.parallel"),
 ])
 def test_out_of_range_values_fail_in_validate_naming_the_key(override, key):
@@ -162,14 +162,14 @@ def test_out_of_range_values_fail_in_validate_naming_the_key(override, key):
 
 
 def test_contradictions_are_refused_naming_both_keys():
-    with pytest.raises(ConfigError, match="sampling.n=1 .*trainer.advantage_norm=std"):
-        validate(compose_config("sampling=greedy", "trainer.advantage_norm=std"))
+    with pytest.raises(ConfigError, match="sampling.n=1 .*trainer.algo.advantage_norm=std"):
+        validate(compose_config("sampling=greedy", "trainer.algo.advantage_norm=std"))
     with pytest.raises(ConfigError, match="cuda_ipc.*trainer.device=cpu"):
         validate(compose_config("generator.weight_sync=cuda_ipc", "trainer.device=cpu"))
-    with pytest.raises(ConfigError, match="trainer.offload='all' must be none with trainer.parallel=fsdp"):
-        validate(compose_config("trainer.parallel=fsdp", "trainer.offload=all"))
-    with pytest.raises(ConfigError, match="trainer.kl_coef=0.1 must be 0 with trainer.parallel=fsdp"):
-        validate(compose_config("trainer.parallel=fsdp", "trainer.offload=none", "trainer.kl_coef=0.1"))
+    with pytest.raises(ConfigError, match="trainer.memory.offload='all' must be none with trainer.parallel=fsdp"):
+        validate(compose_config("trainer.parallel=fsdp", "trainer.memory.offload=all"))
+    with pytest.raises(ConfigError, match="trainer.algo.kl_coef=0.1 must be 0 with trainer.parallel=fsdp"):
+        validate(compose_config("trainer.parallel=fsdp", "trainer.memory.offload=none", "trainer.algo.kl_coef=0.1"))
 
 
 def test_data_parallel_outside_torchrun_stops_before_any_engine_saying_how_to_run_it(tmp_path, monkeypatch):

@@ -33,7 +33,7 @@ from colo_rl.trainer.optim import make_optimizer, scheduled_lr
 from colo_rl.trainer.precision import compute_copies, weight_copies
 
 class TrainingDiverged(RuntimeError):
-    """trainer.max_nonfinite_steps steps in a row had a non-finite loss or gradient norm; none of
+    """trainer.optim.max_nonfinite_steps steps in a row had a non-finite loss or gradient norm; none of
     them changed the trainer, which holds the last finite update's state."""
 
 
@@ -48,18 +48,18 @@ class TrainerOutOfMemory(RuntimeError):
 
 
 def _masked_truncated(cfg: TrainerConfig, truncated: Optional[list[bool]], count: int) -> Optional[torch.Tensor]:
-    """(N,) bool of the completions trainer.mask_truncated leaves out of the loss; None when it is off."""
+    """(N,) bool of the completions trainer.algo.mask_truncated leaves out of the loss; None when it is off."""
     if not cfg.mask_truncated:
         return None
     if truncated is None or len(truncated) != count:
-        raise ValueError(f"trainer.mask_truncated=true needs one truncated flag per completion ({count}); "
+        raise ValueError(f"trainer.algo.mask_truncated=true needs one truncated flag per completion ({count}); "
                          f"got {None if truncated is None else len(truncated)}")
     return torch.tensor(truncated, dtype=torch.bool)
 
 
 def _trained_sequences(cfg: TrainerConfig, advantages: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """Indices of the sequences that go through forward and backward: all of them, or with
-    trainer.skip_zero_advantage those whose advantage is not 0 and that have loss tokens (the
+    trainer.algo.skip_zero_advantage those whose advantage is not 0 and that have loss tokens (the
     others add exactly 0 to the loss and the gradient). At least one, so that the optimizer steps
     on a whole zero gradient as it would without skipping (AdamW skips a parameter without one)."""
     if not cfg.skip_zero_advantage:
@@ -72,7 +72,7 @@ class GRPOTrainer:
     """Owns the policy's optimiser (and the frozen reference when KL is on) and runs GRPO steps."""
 
     # Steps whose update was skipped for a non-finite loss or gradient norm: the current run of
-    # them (the runner stops at trainer.max_nonfinite_steps) and all since this trainer was made.
+    # them (the runner stops at trainer.optim.max_nonfinite_steps) and all since this trainer was made.
     nonfinite_in_a_row = 0
     nonfinite_total = 0
 
@@ -80,7 +80,7 @@ class GRPOTrainer:
                  temperature: float, max_tokens: int, device: str, parallel: Parallel | None = None,
                  autocast_dtype: torch.dtype | None = None):
         """`model` is already on `device`, in the dtype its parameters and optimizer state keep (fp32
-        masters under trainer.precision=mixed). `autocast_dtype`: what forward and backward compute
+        masters under trainer.memory.precision=mixed). `autocast_dtype`: what forward and backward compute
         in on a GPU (the engine's dtype under mixed precision); None, and on a CPU, computes in the
         parameters' dtype."""
         self.model = model  # the module whose weights the engine gets
@@ -94,7 +94,7 @@ class GRPOTrainer:
         # Under LoRA the reference is the same model with its adapters disabled: no second copy.
         # Copied before compilation (it only runs forward, without grad); given Liger's kernels below.
         self.reference = _frozen_copy(model) if cfg.kl_coef > 0 and not is_lora(model) else None
-        # trainer.kernels=auto: Liger's on a GPU where they can run (colo_rl/trainer/kernels.py)
+        # trainer.perf.kernels=auto: Liger's on a GPU where they can run (colo_rl/trainer/kernels.py)
         model_type = getattr(getattr(model, "config", None), "model_type", None)
         self.kernels = resolve_kernels(cfg.kernels, device, model_type, cfg.compile)
         if self.kernels == "liger":
@@ -105,15 +105,15 @@ class GRPOTrainer:
             compile_layers(model)
         self.forward_model = _wrap(model, self.parallel, device)  # what runs forward/backward
         self.cfg = cfg
-        self.estimator = load_estimator(cfg.advantage_estimator)  # trainer.advantage_estimator
-        self.policy_loss = load_policy_loss(cfg.policy_loss)  # trainer.policy_loss
+        self.estimator = load_estimator(cfg.advantage_estimator)  # trainer.algo.advantage_estimator
+        self.policy_loss = load_policy_loss(cfg.policy_loss)  # trainer.algo.policy_loss
         self.pad_token_id = pad_token_id
         self.temperature = temperature
         self.max_tokens = max_tokens
         self.device = torch.device(device)
-        # each chunk of the output head's logits to log-probs (trainer.logprob_kernel)
+        # each chunk of the output head's logits to log-probs (trainer.perf.logprob_kernel)
         self.target_logprobs = target_logprob_function(cfg.logprob_kernel, self.device)
-        # trainer.fused_head: the head and the log-softmax as one function (colo_rl/trainer/head.py)
+        # trainer.perf.fused_head: the head and the log-softmax as one function (colo_rl/trainer/head.py)
         # whenever the head is a plain linear layer; None: each chunk through the head module
         self.head_ops = ((compiled_ops() if self.target_logprobs is not _target_logprobs_eager else EAGER)
                          if cfg.fused_head else None)
@@ -128,7 +128,7 @@ class GRPOTrainer:
             self.autocast_dtype = None  # computing in the parameters' own dtype needs no autocast
         # Under autocast, weights are cast to the compute dtype once per update, not in every
         # micro-batch's forward (see compute_copies): the decoder layers' matmul weights, or with
-        # trainer.fp32_activations=false every weight but the output head's.
+        # trainer.memory.fp32_activations=false every weight but the output head's.
         self.copies = weight_copies(self.autocast_dtype is not None, self.parallel.enabled, cfg.compile,
                                     is_lora(model), cfg.fp32_activations)
         self.step_count = 0
@@ -143,13 +143,13 @@ class GRPOTrainer:
         prompt_ids has one entry per prompt; completion_ids num_prompts * group_size entries,
         prompt i's group at [i*G:(i+1)*G]. Runs cfg.updates_per_batch optimizer steps, each
         accumulating micro-batches of cfg.micro_batch_size sequences into the full-batch gradient.
-        `truncated`: which completions reached sampling.max_tokens (trainer.mask_truncated leaves
+        `truncated`: which completions reached sampling.max_tokens (trainer.algo.mask_truncated leaves
         them out of the loss).
         """
         _check_batch(prompt_ids, completion_ids, rewards, group_size, engine_logprobs)
         if self.cfg.tis_cap is not None and engine_logprobs is None:
-            raise ValueError(f"trainer.tis_cap={self.cfg.tis_cap} needs the engine's sampled log-probs: "
-                             "pass engine_logprobs (sampling.logprobs=true) or set trainer.tis_cap=null")
+            raise ValueError(f"trainer.algo.tis_cap={self.cfg.tis_cap} needs the engine's sampled log-probs: "
+                             "pass engine_logprobs (sampling.logprobs=true) or set trainer.algo.tis_cap=null")
         lr = self._set_lr()
         self._optimizer_touched = False
         try:
@@ -159,8 +159,8 @@ class GRPOTrainer:
             if intact:  # only gradients and activations were touched: drop them
                 self.optimizer.zero_grad(set_to_none=True)
             size = micro_batch_size(self.cfg)
-            advice = (f"set trainer.micro_batch_size={max(1, size // 2)} or trainer.gradient_checkpointing=true"
-                      if size > 1 else "set trainer.gradient_checkpointing=true or a smaller sampling.max_tokens")
+            advice = (f"set trainer.micro_batch_size={max(1, size // 2)} or trainer.memory.gradient_checkpointing=true"
+                      if size > 1 else "set trainer.memory.gradient_checkpointing=true or a smaller sampling.max_tokens")
             raise TrainerOutOfMemory(
                 f"the GPU ran out of memory in a train step at trainer.micro_batch_size={size} "
                 f"({str(exc).splitlines()[0] if str(exc) else 'torch.OutOfMemoryError'}): {advice}, and "
@@ -321,7 +321,7 @@ class GRPOTrainer:
     def _token_logprobs(self, model: torch.nn.Module, mb: _MicroBatch) -> torch.Tensor:
         """(b, T) log-probs of the response tokens, at the sampling temperature.
 
-        trainer.logprob_chunk > 0: the output head runs only on the response positions, that many
+        trainer.perf.logprob_chunk > 0: the output head runs only on the response positions, that many
         at a time, each chunk's logits recomputed in backward (see _chunked_head); padded positions
         get 0. 0: the whole (b, L, vocab) logits, then log_softmax over the gathered positions."""
         # use_cache=False: Hugging Face models build a KV cache by default, in training too, copying
@@ -371,7 +371,7 @@ class GRPOTrainer:
     def load_state_dict(self, state: dict) -> None:
         if ("reference" in state) != (self.reference is not None):
             raise ValueError(f"the checkpoint {'has' if 'reference' in state else 'has no'} reference "
-                             f"model but trainer.kl_coef={self.cfg.kl_coef}: resume with the kl_coef "
+                             f"model but trainer.algo.kl_coef={self.cfg.kl_coef}: resume with the kl_coef "
                              "the checkpoint was trained with")
         self._load_model_state(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])

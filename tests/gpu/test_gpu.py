@@ -228,17 +228,17 @@ def test_offload_restore_through_the_generator_is_bit_exact(fp32, sync_mode, awa
     assert a.keys() == b.keys()
     unequal = [key for key in a if not torch.equal(a[key], b[key])]
     assert not unequal, f"after the next step these differ from a trainer that never offloaded: {unequal[:5]}"
-    # The AdamW moments came back on the side stream (trainer.overlap_restore, on by default).
+    # The AdamW moments came back on the side stream (trainer.memory.overlap_restore, on by default).
     assert offloader.background_stats()["offloader/restore_background_bytes"] > 0
 
 
 @pytest.mark.parametrize("sync_mode", SYNC_MODES)
 def test_short_grpo_run_finishes_on_the_gpu(tmp_path, sync_mode):
     before = engine_processes()
-    # trainer.offload=all: this test checks the offload cycle, which the memory plan would skip
+    # trainer.memory.offload=all: this test checks the offload cycle, which the memory plan would skip
     # for the tiny trainer (it fits beside the engine: see the test below)
     train(compose_config(*small_run_overrides(tmp_path, f"generator.weight_sync={sync_mode}", "logger=none",
-                                              "trainer.offload=all")))
+                                              "trainer.memory.offload=all")))
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["train/step"] for r in records] == [0, 1, 2]
     keys = ["timing/offload_s", "timing/wake_weights_s", "timing/weight_load_s", "timing/wake_kv_s",
@@ -260,7 +260,7 @@ def test_short_grpo_run_finishes_on_the_gpu(tmp_path, sync_mode):
 
 
 def test_the_default_plan_keeps_a_small_trainer_on_the_gpu_and_predicts_free_memory(tmp_path):
-    """trainer.offload=auto (colo_rl.planner): the tiny trainer fits beside the engine, so nothing is
+    """trainer.memory.offload=auto (colo_rl.planner): the tiny trainer fits beside the engine, so nothing is
     offloaded; the plan's predicted free memory with the engine awake is near the measured one."""
     before = engine_processes()
     train(compose_config(*small_run_overrides(tmp_path, "logger=none")))

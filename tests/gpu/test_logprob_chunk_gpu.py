@@ -1,4 +1,4 @@
-"""trainer.logprob_chunk on CUDA under trainer.precision=mixed (fp32 masters, bf16 autocast): the
+"""trainer.perf.logprob_chunk on CUDA under trainer.memory.precision=mixed (fp32 masters, bf16 autocast): the
 chunked head gives the full path's log-probs, loss and gradients to bf16 rounding, and holds much
 less memory. Skips without CUDA; run on the lent H200 (benchmarks/README.md)."""
 
@@ -35,7 +35,7 @@ def test_chunked_bf16_autocast_matches_the_full_logits_and_peaks_lower():
 
 
 def test_compiled_log_softmax_of_the_chunks_matches_the_eager_ops_and_holds_no_more():
-    """trainer.logprob_kernel: on CUDA `auto` is the torch.compile'd function; against the eager
+    """trainer.perf.logprob_kernel: on CUDA `auto` is the torch.compile'd function; against the eager
     ops on the same bf16 logits (chunks of 512 and a shorter last one) the fp32 log-probs, loss
     and gradients agree to fp32 rounding of the reductions, and the compiled backward keeps no
     more memory."""
@@ -61,7 +61,7 @@ def test_compiled_log_softmax_of_the_chunks_matches_the_eager_ops_and_holds_no_m
 
 @pytest.mark.parametrize("fp32_activations", [True, False], ids=["autocast", "bf16-activations"])
 def test_the_fused_head_matches_the_generic_chunks_and_holds_no_more(fp32_activations):
-    """trainer.fused_head (the default) against each chunk through the head module under
+    """trainer.perf.fused_head (the default) against each chunk through the head module under
     checkpointing, bf16 compute with fp32 masters: the same bf16 logits and fp32 reductions, so the
     log-probs and loss agree to the rounding of differently shaped bf16 matmuls; the head's weight
     gradient is summed in fp32 inside the matmuls (the generic path adds bf16 chunk gradients), so

@@ -1,5 +1,5 @@
 """The named estimators and policy losses against verl's own code, their loader, and the trainer's
-options that leave sequences out (trainer.skip_zero_advantage, trainer.mask_truncated).
+options that leave sequences out (trainer.algo.skip_zero_advantage, trainer.algo.mask_truncated).
 
 The expected values were computed by tests/trainer/algorithms_reference.py with verl 0.9.1's
 verl/trainer/ppo/core_algos.py and TRL 1.16.0's trl/trainer/grpo_trainer.py (the functions named
@@ -109,9 +109,9 @@ def test_parts_load_by_short_name_or_import_path_and_bad_ones_name_the_key(tmp_p
     monkeypatch.chdir(tmp_path)
     monkeypatch.delitem(sys.modules, "my_algos", raising=False)
     assert load_estimator("my_algos:half")(torch.ones(2), 2, lengths=None, cfg=None).tolist() == [0.5, 0.5]
-    with pytest.raises(ConfigError, match=r"^trainer.advantage_estimator: 'rlooo' is not an import path.*rloo"):
+    with pytest.raises(ConfigError, match=r"^trainer.algo.advantage_estimator: 'rlooo' is not an import path.*rloo"):
         load_estimator("rlooo")
-    with pytest.raises(ConfigError, match=r"^trainer.policy_loss: 'my_algos:nope'.*no callable 'nope'"):
+    with pytest.raises(ConfigError, match=r"^trainer.algo.policy_loss: 'my_algos:nope'.*no callable 'nope'"):
         load_policy_loss("my_algos:nope")
 
 
@@ -172,7 +172,7 @@ def test_truncated_completions_are_masked_out_of_the_loss_on_request(model_dir):
 
 
 def test_the_trainer_trains_with_the_policy_loss_it_is_given(model_dir, tmp_path, monkeypatch):
-    """trainer.policy_loss reaches the loss of a train step (the merge of the named parts once loaded
+    """trainer.algo.policy_loss reaches the loss of a train step (the merge of the named parts once loaded
     it and trained with ppo_clip all the same): a user's loss that doubles ppo_clip's per-token term
     doubles the loss and every gradient."""
     (tmp_path / "doubled_loss.py").write_text(

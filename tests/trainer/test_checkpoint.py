@@ -71,7 +71,7 @@ def test_a_resumed_trainer_continues_exactly_like_an_uninterrupted_one(model_dir
 def test_the_checkpoint_describes_itself_and_its_weights_need_no_pickle(model_dir, tmp_path):
     trainer = make_trainer(model_dir, kl_coef=0.1)
     step(trainer, FIRST)
-    config = config_of("trainer.kl_coef=0.1")
+    config = config_of("trainer.algo.kl_coef=0.1")
     path = save_checkpoint(tmp_path / "ckpt", trainer, {"step": 1}, config=config, model_dir=model_dir)
     manifest = read_manifest(path)
     assert manifest["step"] == 1 and manifest["kind"] == "full"
@@ -198,7 +198,7 @@ def test_extra_that_could_not_be_loaded_back_is_refused_at_save_time(model_dir, 
 
 def test_a_checkpoint_with_a_reference_does_not_load_into_a_trainer_without_kl(model_dir, tmp_path):
     save_checkpoint(tmp_path, make_trainer(model_dir, kl_coef=0.1), {})
-    with pytest.raises(CheckpointError, match="has reference model but trainer.kl_coef=0.0"):
+    with pytest.raises(CheckpointError, match="has reference model but trainer.algo.kl_coef=0.0"):
         load_checkpoint(tmp_path, make_trainer(model_dir))
 
 
@@ -209,10 +209,10 @@ def test_resume_with_another_model_shape_or_optimizer_is_refused_naming_the_keys
     with pytest.raises(CheckpointError, match=r"model.embedded.hidden_size=256 \(the checkpoint: 128\)"):
         check_compatible(path, config_of("model.embedded.hidden_size=256"))
     with pytest.raises(CheckpointError, match=r"trainer.lr=0.1 \(the checkpoint: 0.001\); "
-                                              r"trainer.betas=\[0.8, 0.9\]"):
-        check_compatible(path, config_of("trainer.lr=0.1", "trainer.betas=[0.8,0.9]"))
-    with pytest.raises(CheckpointError, match="trainer.kl_coef=a reference model"):
-        check_compatible(path, config_of("trainer.kl_coef=0.1"))
+                                              r"trainer.optim.betas=\[0.8, 0.9\]"):
+        check_compatible(path, config_of("trainer.lr=0.1", "trainer.optim.betas=[0.8,0.9]"))
+    with pytest.raises(CheckpointError, match="trainer.algo.kl_coef=a reference model"):
+        check_compatible(path, config_of("trainer.algo.kl_coef=0.1"))
 
 
 def test_tensors_that_do_not_fit_the_model_are_named(model_dir, tmp_path):
@@ -228,7 +228,7 @@ def test_tensors_that_do_not_fit_the_model_are_named(model_dir, tmp_path):
 
 
 def test_a_background_write_holds_the_state_of_its_snapshot_not_of_later_steps(model_dir, tmp_path):
-    """trainer.checkpoint_background: the snapshot is the checkpoint, whatever the run does while it
+    """trainer.checkpoint.background: the snapshot is the checkpoint, whatever the run does while it
     is written; the files are those a direct save of that moment writes (tied weights included)."""
     from colo_rl.trainer.checkpoint import BackgroundWriter, snapshot
 

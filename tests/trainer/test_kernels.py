@@ -1,4 +1,4 @@
-"""trainer.compile and trainer.kernels (colo_rl/trainer/kernels.py): the same log-probs, loss and
+"""trainer.perf.compile and trainer.perf.kernels (colo_rl/trainer/kernels.py): the same log-probs, loss and
 gradients as the eager model; bad settings refused naming the key. Liger's Triton kernels run only
 on CUDA: tests/gpu/test_kernels_gpu.py checks them there."""
 
@@ -72,7 +72,7 @@ def test_the_loss_statistics_without_a_host_sync_equal_the_synced_ones():
 
 
 def test_liger_kernels_are_refused_off_cuda_naming_the_key(model_dir):
-    with pytest.raises(ConfigError, match="trainer.kernels=liger runs Triton GPU kernels, but the trainer is on cpu"):
+    with pytest.raises(ConfigError, match="trainer.perf.kernels=liger runs Triton GPU kernels, but the trainer is on cpu"):
         check_kernels("liger", "cpu", model_dir)
     check_kernels("none", "cpu", model_dir)  # the default asks for nothing
 
@@ -84,12 +84,12 @@ def test_auto_picks_liger_only_where_it_can_run():
     assert resolve_kernels("auto", "cuda:0", "olmo2") == "liger"  # liger-kernel is a test dependency
     assert resolve_kernels("auto", "cuda:0", "olmo2", compile=True) == "none"  # compiled layers fuse it
     assert resolve_kernels("liger", "cuda", "llama") == "liger"
-    with pytest.raises(ConfigError, match="trainer.kernels=liger: liger-kernel has no kernels for model type 'nope'"):
+    with pytest.raises(ConfigError, match="trainer.perf.kernels=liger: liger-kernel has no kernels for model type 'nope'"):
         resolve_kernels("liger", "cuda", "nope")
 
 
 def test_unknown_kernels_are_refused_naming_the_key():
-    with pytest.raises(ConfigError, match="trainer.kernels"):
+    with pytest.raises(ConfigError, match="trainer.perf.kernels"):
         TrainerConfig(kernels="flash")
 
 

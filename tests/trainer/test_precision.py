@@ -45,7 +45,7 @@ def steps_of(trainer: GRPOTrainer, steps: int) -> float:
 
 
 def test_fp32_masters_move_at_lr_1e_6_where_pure_bf16_rounds_most_updates_away(bf16_model_dir):
-    """The reason trainer.precision exists: 8 AdamW steps at lr 1e-6 from the same start."""
+    """The reason trainer.memory.precision exists: 8 AdamW steps at lr 1e-6 from the same start."""
     fractions = {}
     for precision, dtype in (("mixed", "float32"), ("pure", "bfloat16")):
         torch.manual_seed(0)
@@ -71,16 +71,16 @@ def test_auto_precision_is_mixed_for_16_bit_engines_and_pure_for_fp32():
     assert (trainer_precision(fp16), trainer_dtype(fp16)) == ("mixed", "float32")
     fp32 = validate(compose_config())
     assert (trainer_precision(fp32), trainer_dtype(fp32)) == ("pure", "float32")
-    pure = validate(compose_config("model.dtype=bfloat16", "trainer.precision=pure"))
+    pure = validate(compose_config("model.dtype=bfloat16", "trainer.memory.precision=pure"))
     assert trainer_dtype(pure) == "bfloat16"
 
 
 @pytest.mark.parametrize("overrides, match", [
-    (["trainer.precision=fp8"], r"trainer.precision='fp8' must be one of auto, mixed, pure"),
-    (["trainer.optimizer=sgd"], r"trainer.optimizer='sgd' must be one of adamw, adamw_8bit, adamw_bf16_sr"),
-    (["trainer.optimizer=adamw_bf16_sr"], r"trainer.optimizer=adamw_bf16_sr .* model.dtype=float32 .*"
-                                          r"set model.dtype=bfloat16 trainer.precision=pure"),
-    (["trainer.optimizer=adamw_bf16_sr", "model.dtype=bfloat16"], r"trainer.precision=auto"),
+    (["trainer.memory.precision=fp8"], r"trainer.memory.precision='fp8' must be one of auto, mixed, pure"),
+    (["trainer.optim.name=sgd"], r"trainer.optim.name='sgd' must be one of adamw, adamw_8bit, adamw_bf16_sr"),
+    (["trainer.optim.name=adamw_bf16_sr"], r"trainer.optim.name=adamw_bf16_sr .* model.dtype=float32 .*"
+                                          r"set model.dtype=bfloat16 trainer.memory.precision=pure"),
+    (["trainer.optim.name=adamw_bf16_sr", "model.dtype=bfloat16"], r"trainer.memory.precision=auto"),
 ])
 def test_precision_and_optimizer_that_cannot_work_are_refused_naming_the_key(overrides, match):
     with pytest.raises(ConfigError, match=match):
@@ -214,12 +214,12 @@ def test_compute_copies_give_the_gradients_of_the_model_they_emulate_bit_for_bit
                                                                                  fuse):
     """Mixed precision casts weights to bf16 once per update (compute_copies), not in every
     micro-batch's forward, and adds each bf16 weight gradient into the fp32 .grad in one pass.
-    scope "matmul" (trainer.fp32_activations=true): the gradients are autocast's own on the fp32
+    scope "matmul" (trainer.memory.fp32_activations=true): the gradients are autocast's own on the fp32
     model, bit for bit. "all" (false): those of the model with every weight but the output head in
     bf16 (verl's and Megatron's mixed precision), summed over micro-batches in fp32. With
     activations recomputed in backward too; the masters are the model's parameters afterwards. CPU
     autocast here; tests/gpu/test_kernels_gpu.py compares whole trainer updates on CUDA.
-    fused-accumulation (trainer.fuse_grad_accumulation): the linear layers' weight gradients go
+    fused-accumulation (trainer.perf.fuse_grad_accumulation): the linear layers' weight gradients go
     into the masters from their own backward (the copies get none); on a CPU by the same bf16
     product and fp32 add, so bit for bit too (on CUDA the sum happens inside the matmul)."""
     from colo_rl.trainer.precision import compute_copies
