@@ -58,7 +58,7 @@ def run_arm(args) -> dict:
     import torch
     from transformers import Olmo2Config, Olmo2ForCausalLM
 
-    from colo_rl.config import TrainerConfig
+    from colo_rl.config import PerfConfig, TrainerConfig
     from colo_rl.trainer import GRPOTrainer
 
     torch.manual_seed(0)
@@ -69,7 +69,7 @@ def run_arm(args) -> dict:
                          tie_word_embeddings=False)
     model = Olmo2ForCausalLM(config).to(device)
     autocast = torch.bfloat16 if args.precision == "mixed" and device.type == "cuda" else None
-    trainer = GRPOTrainer(model, TrainerConfig(logprob_chunk=args.arm, micro_batch_size=args.batch),
+    trainer = GRPOTrainer(model, TrainerConfig(perf=PerfConfig(logprob_chunk=args.arm), micro_batch_size=args.batch),
                           pad_token_id=0, temperature=1.0, max_tokens=args.completion, device=args.device,
                           autocast_dtype=autocast)
     trainer.optimizer = torch.optim.SGD(model.parameters(), lr=0.0)

@@ -29,12 +29,12 @@ class CheckpointPolicy:
         self.start_step = start_step
         # trainer.checkpoint.background: checkpoints are written on a thread from a host copy;
         # whatever writes or ends next waits for the write in flight first
-        self.writer = BackgroundWriter() if t.checkpoint_background else None
+        self.writer = BackgroundWriter() if t.checkpoint.background else None
         self.checkpointed = None  # the step of the last periodic checkpoint
 
     def after_step(self, done: dict) -> dict[str, float]:
         """The periodic checkpoint, when one is due; its metrics for the next record."""
-        if not (self.t.checkpoint_every and done["step"] % self.t.checkpoint_every == 0):
+        if not (self.t.checkpoint.every and done["step"] % self.t.checkpoint.every == 0):
             return {}
         written = _wait_for_write(self.writer)
         stall = _checkpoint(self.par, self.directory, self.trainer, done, self.describe, self.writer)
@@ -48,9 +48,9 @@ class CheckpointPolicy:
         the engine closes. A periodic checkpoint of the last step is the final one: it is not
         written twice."""
         t, par, directory, writer = self.t, self.par, self.directory, self.writer
-        final = t.checkpoint_final and self.checkpointed != done["step"]
+        final = t.checkpoint.final and self.checkpointed != done["step"]
         background = final and writer is not None
-        if t.checkpoint_final and not final:
+        if t.checkpoint.final and not final:
             log.info("the checkpoint of step %d (trainer.checkpoint.every) is the final one", done["step"])
         start = time.perf_counter()
         if background:
@@ -90,7 +90,7 @@ class CheckpointPolicy:
         _written_step(self.writer)
         if self.par.is_main:
             _checkpoint_after_failure(exc, self.par, self.directory, self.trainer, done, self.start_step,
-                                      self.describe, intact=intact, resumed_from=self.t.resume)
+                                      self.describe, intact=intact, resumed_from=self.t.checkpoint.resume)
 
 
 def _checkpoint_after_failure(exc: BaseException, par: Parallel, directory: Path,

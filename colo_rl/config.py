@@ -746,21 +746,21 @@ def validate(cfg: DictConfig | RunConfig) -> RunConfig:
             raise
     _check_finite(settings)
     s, g, t = settings.sampling, settings.generator, settings.trainer
-    if t.advantage_norm == "std":
+    if t.algo.advantage_norm == "std":
         _check(s.n >= 2, "sampling.n", s.n,
                "must be >= 2 with trainer.algo.advantage_norm=std (a group of one has no std); "
                "use trainer.algo.advantage_norm=mean or a larger group")
-    if t.tis_cap is not None:
+    if t.algo.tis_cap is not None:
         _check(s.logprobs, "sampling.logprobs", s.logprobs,
-               f"must be true with trainer.algo.tis_cap={t.tis_cap} (the importance weights need the "
+               f"must be true with trainer.algo.tis_cap={t.algo.tis_cap} (the importance weights need the "
                "engine's sampled log-probs); set sampling.logprobs=true or trainer.algo.tis_cap=null")
         _check(s.logprobs_every in (None, 1), "sampling.logprobs_every", s.logprobs_every,
-               f"must be 1 or null with trainer.algo.tis_cap={t.tis_cap} (the importance weights need the "
+               f"must be 1 or null with trainer.algo.tis_cap={t.algo.tis_cap} (the importance weights need the "
                "engine's log-probs on every step); set sampling.logprobs_every=null or trainer.algo.tis_cap=null")
         mode = g.engine_kwargs.get("logprobs_mode", "processed_logprobs")
         _check(s.temperature == 1 or mode == "processed_logprobs", "sampling.temperature", s.temperature,
                f"needs generator.engine_kwargs.logprobs_mode=processed_logprobs (colo_rl's default) with "
-               f"trainer.algo.tis_cap={t.tis_cap}: {mode!r} are log-probs before the temperature, the "
+               f"trainer.algo.tis_cap={t.algo.tis_cap}: {mode!r} are log-probs before the temperature, the "
                "trainer's after it, so their ratio would not be the sampling mismatch")
     if s.max_tokens >= g.max_model_len:
         raise ConfigError(f"sampling.max_tokens={s.max_tokens} must be below generator.max_model_len="
@@ -788,9 +788,14 @@ def validate(cfg: DictConfig | RunConfig) -> RunConfig:
 
 def _refuse_added_keys(cfg: DictConfig) -> None:
     """A key the schema does not have, added with `+key=value` (Hydra lets `+` past the schema),
-    would be stored and ignored: refused, naming it. Free-form dicts (generator.engine_kwargs)
-    take any key."""
+    would be stored and ignored: refused, naming it (a key of the old trainer layout: naming its
+    new place, colo_rl.config_moves). Free-form dicts (generator.engine_kwargs) take any key."""
+    from colo_rl.config_moves import moved_message
+
     for key in _added_keys(cfg, ""):
+        moved = moved_message(key)
+        if moved:
+            raise ConfigError(moved)
         raise ConfigError(f"{key}: no such key in colo_rl's config, so it would be ignored. Check its "
                           "spelling against `python -m colo_rl.run --cfg job` (a key is set as "
                           "group.key=VALUE, without +)")
@@ -850,7 +855,7 @@ def micro_batch_size(t: "TrainerConfig") -> int:
 
 def logprob_recompute(t: "TrainerConfig") -> bool:
     """trainer.memory.logprob_recompute as a bool: auto left unresolved (no memory plan) recomputes."""
-    return True if t.logprob_recompute == "auto" else bool(t.logprob_recompute)
+    return True if t.memory.logprob_recompute == "auto" else bool(t.memory.logprob_recompute)
 
 
 def trainer_dtype(settings: RunConfig) -> str:
@@ -865,16 +870,16 @@ def _check_precision(settings: RunConfig) -> None:
     if t.lora.rank and importlib.util.find_spec("peft") is None:
         raise ConfigError(f"trainer.lora.rank={t.lora.rank} needs the package peft, which is not installed "
                           "here: pip install 'colo_rl[lora]', or set trainer.lora.rank=0")
-    package = OPTIMIZER_PACKAGES[t.optimizer]
+    package = OPTIMIZER_PACKAGES[t.optim.name]
     if package and importlib.util.find_spec(package) is None:
-        raise ConfigError(f"trainer.optim.name={t.optimizer} needs the package {package}, which is not "
+        raise ConfigError(f"trainer.optim.name={t.optim.name} needs the package {package}, which is not "
                           f"installed here: pip install {package}, or use trainer.optim.name=adamw")
-    if t.optimizer == "adamw_bf16_sr" and not (settings.model.dtype == "bfloat16"
+    if t.optim.name == "adamw_bf16_sr" and not (settings.model.dtype == "bfloat16"
                                                and trainer_precision(settings) == "pure"):
         raise ConfigError(f"trainer.optim.name=adamw_bf16_sr rounds bf16 parameters stochastically, but "
-                          f"model.dtype={settings.model.dtype} and trainer.memory.precision={t.precision}: set "
+                          f"model.dtype={settings.model.dtype} and trainer.memory.precision={t.memory.precision}: set "
                           "model.dtype=bfloat16 trainer.memory.precision=pure, or use trainer.optim.name=adamw")
-    if t.optimizer == "adamw_8bit" and t.parallel == "fsdp":
+    if t.optim.name == "adamw_8bit" and t.parallel == "fsdp":
         raise ConfigError("trainer.optim.name=adamw_8bit does not take FSDP's sharded parameters: use "
                           "trainer.optim.name=adamw with trainer.parallel=fsdp")
 

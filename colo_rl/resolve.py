@@ -80,25 +80,27 @@ def resolve_settings(settings: RunConfig, *, model_dir: Path, device: str, task=
     decisions = [_device("trainer.device", settings.trainer.device),
                  _device("generator.device", settings.generator.device),
                  _precision(settings)]
-    t.device, g.device, t.precision = (d.value for d in decisions)
-    kernels = check_kernels(t.kernels, device, model_dir, resolved.model.trust_remote_code, t.compile)
+    t.device, g.device, t.memory.precision = (d.value for d in decisions)
+    kernels = check_kernels(t.perf.kernels, device, model_dir, resolved.model.trust_remote_code, t.perf.compile)
     decisions.append(Decision("trainer.perf.kernels", kernels, _kernels_reason(settings.trainer.perf.kernels, kernels)))
-    t.kernels = kernels
-    decisions.append(_logprob_kernel(t.logprob_kernel, device))
-    t.logprob_kernel = decisions[-1].value
+    t.perf.kernels = kernels
+    decisions.append(_logprob_kernel(t.perf.logprob_kernel, device))
+    t.perf.logprob_kernel = decisions[-1].value
     # the plan resolves its four keys in the copy it is given
     plan = plan_run(resolved, model_dir, device, task, memory=memory, show=False)
     decisions += [Decision(key, _value(resolved, key), plan.reasons.get(key, "as given")) for key in PLAN_KEYS]
     decisions += [_weight_sync(g.weight_sync, g.device), _staging_dir(g.staging_dir),
-                  _logprobs_every(s.logprobs_every, t.tis_cap), _logger_mode(resolved.logger.mode)]
+                  _logprobs_every(s.logprobs_every, t.algo.tis_cap), _logger_mode(resolved.logger.mode)]
     g.weight_sync, g.staging_dir, s.logprobs_every, resolved.logger.mode = (d.value for d in decisions[-4:])
     asked = {d.key for d in decisions if _was_auto(settings, d.key)}
     return Resolved(freeze(resolved), tuple(d for d in decisions if d.key in asked), plan)
 
 
 def _value(settings: RunConfig, key: str) -> Any:
-    group, name = key.split(".")
-    return getattr(getattr(settings, group), name)
+    node = settings
+    for part in key.split("."):
+        node = getattr(node, part)
+    return node
 
 
 def _was_auto(settings: RunConfig, key: str) -> bool:

@@ -144,7 +144,7 @@ class Run:
                 with self.closing:
                     parts = self.setup()
                     self.train(parts)
-                if t.export_final and par.is_main:
+                if t.checkpoint.export and par.is_main:
                     self.export()
                 return self.report(parts)
         finally:
@@ -176,12 +176,12 @@ class Run:
         settings, par, stages = self.settings, self.par, self.stages
         t, s = settings.trainer, settings.sampling
         self.composed = OmegaConf.to_container(self.cfg, resolve=True)
-        if t.resume:  # before any model is built: a config the checkpoint does not fit stops here
-            check_compatible(t.resume, self.composed)
+        if t.checkpoint.resume:  # before any model is built: a config the checkpoint does not fit stops here
+            check_compatible(t.checkpoint.resume, self.composed)
         if par.is_main:  # nothing the user has is replaced: another run's checkpoint, an export target
-            claim(self.output_dir, self.cfg, t.resume, settings.overwrite_output_dir)
-            if t.export_final:
-                check_export_target(t.export_dir, self.output_dir, t.resume)
+            claim(self.output_dir, self.cfg, t.checkpoint.resume, settings.overwrite_output_dir)
+            if t.checkpoint.export:
+                check_export_target(t.checkpoint.export_dir, self.output_dir, t.checkpoint.resume)
         self.device = device = par.device(resolve_device(t.device))
         par.shard(range(t.prompts_per_step))  # fails now, naming the key, if they do not split
         # every rank writes into rank 0's directory (Hydra names one per process, by the clock)
@@ -203,11 +203,11 @@ class Run:
             self.resolved.write(output_dir)
         if t.lora.rank > 0:  # LoRA's target modules against the model's linear layers
             check_targets(model_dir, t.lora, settings.model.trust_remote_code)
-        if t.resume:  # its files' checksums and step count too, before the engine is spawned: a
+        if t.checkpoint.resume:  # its files' checksums and step count too, before the engine is spawned: a
             # damaged checkpoint or one with no steps left to do stops here
-            done_steps = verify_checkpoint(t.resume).get("step", 0)
+            done_steps = verify_checkpoint(t.checkpoint.resume).get("step", 0)
             if done_steps >= t.steps:
-                raise ConfigError(f"trainer.checkpoint.resume={t.resume} holds a run that already did {done_steps} "
+                raise ConfigError(f"trainer.checkpoint.resume={t.checkpoint.resume} holds a run that already did {done_steps} "
                                   f"steps, so trainer.steps={t.steps} leaves none to do: raise trainer.steps "
                                   f"above {done_steps}")
         if s.n == 1:
@@ -372,7 +372,7 @@ class Run:
     def export(self) -> None:
         """trainer.checkpoint.export: the final checkpoint as a Hugging Face model directory."""
         t = self.settings.trainer
-        export_checkpoint(self.output_dir / "checkpoint", export_target(t.export_dir, self.output_dir))
+        export_checkpoint(self.output_dir / "checkpoint", export_target(t.checkpoint.export_dir, self.output_dir))
 
     def report(self, p: Components) -> RunResult:
         """The summary table, and what the run returns."""
@@ -406,19 +406,19 @@ def _build_trainer(settings: RunConfig, policy: torch.nn.Module, device: str, pa
     trainer = GRPOTrainer(policy, t, pad_token_id=tokenizer.pad_token_id,
                           temperature=s.temperature, max_tokens=s.max_tokens, device=device,
                           parallel=par, autocast_dtype=DTYPES[settings.model.dtype] if mixed else None)
-    offloader = Offloader(policy, trainer.optimizer, t.offload, overlap_restore=t.overlap_restore,
-                          restore_while_awake=t.restore_while_awake)
+    offloader = Offloader(policy, trainer.optimizer, t.memory.offload, overlap_restore=t.memory.overlap_restore,
+                          restore_while_awake=t.memory.restore_while_awake)
     stages.mark("policy", f"policy of {sum(p.numel() for p in policy.parameters()) / 1e6:.2f} M parameters "
                           f"on {device} in {str(next(policy.parameters()).dtype).removeprefix('torch.')}, "
-                          f"{t.optimizer} optimizer" + (", Liger's kernels" if trainer.kernels == "liger" else "")
+                          f"{t.optim.name} optimizer" + (", Liger's kernels" if trainer.kernels == "liger" else "")
                           + (f", computing in {settings.model.dtype} throughout" if trainer.copies == "all" else ""))
     start_step = 0
-    if t.resume:
+    if t.checkpoint.resume:
         # its config, checksums and step count were checked before the engine was spawned
-        extra = load_checkpoint(t.resume, trainer, verified=True)
+        extra = load_checkpoint(t.checkpoint.resume, trainer, verified=True)
         task.sampler.load_state(extra["sampler"])
         start_step = extra["step"]
-        stages.mark("resume", f"resumed from {t.resume} after {start_step} steps")
+        stages.mark("resume", f"resumed from {t.checkpoint.resume} after {start_step} steps")
     return trainer, offloader, start_step
 
 

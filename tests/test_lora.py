@@ -23,6 +23,7 @@ from colo_rl.run import train
 from colo_rl.switch import Switch
 from colo_rl.trainer import CheckpointError, GRPOTrainer, Offloader, load_checkpoint, save_checkpoint
 from colo_rl.trainer.checkpoint import check_compatible, read_manifest
+from tests.configs import trainer_config
 
 from .conftest import ROOT, compose_config, engine_processes, small_run_overrides
 from .generator.test_generator import hf_greedy
@@ -51,7 +52,7 @@ def lora_policy(model_dir, *, dtype="float32", adapter_dtype=torch.float32, seed
 
 
 def trainer_of(model, **cfg) -> GRPOTrainer:
-    return GRPOTrainer(model, TrainerConfig(**cfg), pad_token_id=0, temperature=1.0, max_tokens=8,
+    return GRPOTrainer(model, trainer_config(**cfg), pad_token_id=0, temperature=1.0, max_tokens=8,
                        device="cpu", autocast_dtype=torch.bfloat16)
 
 

@@ -333,13 +333,17 @@ def verify_checkpoint(directory: str | Path) -> dict:
 
 
 def read_config(directory: str | Path) -> dict | None:
-    """The resolved config the checkpoint was trained with (None when none was stored)."""
+    """The resolved config the checkpoint was trained with (None when none was stored), in the
+    current layout: a checkpoint written before the trainer keys were grouped has its keys moved
+    through colo_rl.config_moves.OLD_KEYS."""
     path = Path(directory) / CONFIG
     if not path.is_file():
         return None
     from omegaconf import OmegaConf
 
-    return OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    from colo_rl.config_moves import translate
+
+    return translate(OmegaConf.to_container(OmegaConf.load(path), resolve=True))
 
 
 def check_compatible(directory: str | Path, config: dict) -> None:
@@ -407,7 +411,7 @@ def load_checkpoint(directory: str | Path, trainer: TrainerState, *, config: dic
     if has_reference != (trainer.reference is not None):
         raise CheckpointError(
             f"trainer.checkpoint.resume={directory}: the checkpoint {'has' if has_reference else 'has no'} "
-            f"reference model but trainer.algo.kl_coef={trainer.cfg.kl_coef}. Resume with the kl_coef "
+            f"reference model but trainer.algo.kl_coef={trainer.cfg.algo.kl_coef}. Resume with the kl_coef "
             "the checkpoint was trained with")
     small = _load_small(directory / STATE)
     model = _load_tensors(directory, "model", aliases)

@@ -29,15 +29,15 @@ def make_optimizer(params, cfg: TrainerConfig, fused: bool = False) -> torch.opt
     precision), except adamw_8bit's block-wise 8-bit moments (bitsandbytes keeps tensors under
     4096 elements, norms and biases, in 32 bits). `fused`: torch's fused AdamW kernel (same
     update as the foreach one up to float rounding; CUDA parameters only)."""
-    kwargs = dict(lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
-    if cfg.optimizer == "adamw":
+    kwargs = dict(lr=cfg.lr, betas=tuple(cfg.optim.betas), weight_decay=cfg.optim.weight_decay)
+    if cfg.optim.name == "adamw":
         return torch.optim.AdamW(params, **kwargs, **({"fused": True} if fused else {}))
-    if cfg.optimizer == "adamw_8bit":
+    if cfg.optim.name == "adamw_8bit":
         import bitsandbytes
 
         return bitsandbytes.optim.AdamW8bit(params, **kwargs)
-    if cfg.optimizer == "adamw_bf16_sr":
+    if cfg.optim.name == "adamw_bf16_sr":
         from torchao.optim import _AdamW
 
         return _AdamW(params, bf16_stochastic_round=True, **kwargs)
-    raise ValueError(f"optimizer={cfg.optimizer!r} unknown (trainer.optim.name)")
+    raise ValueError(f"optimizer={cfg.optim.name!r} unknown (trainer.optim.name)")

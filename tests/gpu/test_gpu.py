@@ -25,6 +25,7 @@ from colo_rl.models import load_policy, write_embedded_model
 from colo_rl.run import train
 from colo_rl.switch import Switch
 from colo_rl.trainer import GRPOTrainer, Offloader
+from tests.configs import trainer_config
 
 from ..conftest import compose_config, engine_processes, small_run_overrides
 from ..trainer.test_offload import state_tensors
@@ -66,7 +67,7 @@ def new_trainer(model_dir: Path, dtype: str) -> GRPOTrainer:
     """A GRPO trainer on the GPU after one step, so that AdamW state exists to be offloaded."""
     model = load_policy(ModelConfig(dtype=dtype, embedded=SMALL), model_dir, "cuda")
     # Hugging Face's own layers (no Liger): the reference the engine's log-probs are held to
-    trainer = GRPOTrainer(model, TrainerConfig(kernels="none"), pad_token_id=0, temperature=1.0,
+    trainer = GRPOTrainer(model, trainer_config(kernels="none"), pad_token_id=0, temperature=1.0,
                           max_tokens=SAMPLED.max_tokens, device="cuda")
     # The math attention kernel's backward is deterministic, so two trainers can be compared bit for bit.
     with sdpa_kernel(SDPBackend.MATH):

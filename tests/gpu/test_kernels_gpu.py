@@ -11,6 +11,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from colo_rl.config import TrainerConfig
+from tests.configs import trainer_config
 
 from .update import CUDA_ONLY, Update, olmo2_update
 
@@ -20,7 +21,7 @@ LAYERS = 3
 
 
 def step(cast_once: bool = True, **cfg) -> Update:
-    return olmo2_update(TrainerConfig(micro_batch_size=4, **{"kernels": "none", **cfg}), vocab=4096, layers=LAYERS,
+    return olmo2_update(trainer_config(micro_batch_size=4, **{"kernels": "none", **cfg}), vocab=4096, layers=LAYERS,
                         batch=8, prompt=48, completion=80, shorter_by=5, cast_once=cast_once)
 
 

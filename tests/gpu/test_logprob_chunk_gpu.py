@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from colo_rl.config import TrainerConfig
+from tests.configs import trainer_config
 
 from .update import CUDA_ONLY, Update, olmo2_update
 
@@ -17,7 +18,7 @@ B = 8
 
 
 def step(chunk: int) -> Update:
-    return olmo2_update(TrainerConfig(logprob_chunk=chunk, micro_batch_size=B), vocab=32768, layers=2, batch=B,
+    return olmo2_update(trainer_config(logprob_chunk=chunk, micro_batch_size=B), vocab=32768, layers=2, batch=B,
                         prompt=64, completion=192, shorter_by=7)
 
 
@@ -42,7 +43,7 @@ def test_compiled_log_softmax_of_the_chunks_matches_the_eager_ops_and_holds_no_m
     from colo_rl.trainer.logprobs import _target_logprobs_compiled
 
     def chunked(kernel: str) -> Update:
-        return olmo2_update(TrainerConfig(logprob_chunk=512, micro_batch_size=B, logprob_kernel=kernel),
+        return olmo2_update(trainer_config(logprob_chunk=512, micro_batch_size=B, logprob_kernel=kernel),
                             vocab=32768, layers=2, batch=B, prompt=64, completion=192, shorter_by=7)
 
     compiled, eager = chunked("auto"), chunked("eager")
@@ -67,7 +68,7 @@ def test_the_fused_head_matches_the_generic_chunks_and_holds_no_more(fp32_activa
     gradient is summed in fp32 inside the matmuls (the generic path adds bf16 chunk gradients), so
     gradients agree to bf16 rounding. The fused path keeps no more memory."""
     def chunked(fused: bool) -> Update:
-        return olmo2_update(TrainerConfig(logprob_chunk=512, micro_batch_size=B, fused_head=fused,
+        return olmo2_update(trainer_config(logprob_chunk=512, micro_batch_size=B, fused_head=fused,
                                           fp32_activations=fp32_activations),
                             vocab=32768, layers=2, batch=B, prompt=64, completion=192, shorter_by=7)
 

@@ -15,6 +15,7 @@ from colo_rl.config import ConfigError, ModelConfig, TrainerConfig
 from colo_rl.models import load_policy, write_embedded_model
 from colo_rl.trainer import GRPOTrainer, grpo_loss
 from colo_rl.trainer.algorithms import gspo, load_estimator, load_policy_loss, ppo_clip, rloo
+from tests.configs import trainer_config
 
 from .algorithms_reference import (CLIP_HIGH, CLIP_LOW, GROUP, GSPO_CLIP_HIGH, GSPO_CLIP_LOW, LENGTHS, MAX_TOKENS,
                                    REWARDS, policy_case, probe)
@@ -66,7 +67,7 @@ TRL_LOSSES = {
 def test_each_estimator_matches_verl(name, norm):
     estimator = load_estimator(name)
     advantages = estimator(torch.tensor(REWARDS, dtype=torch.float64), GROUP, lengths=torch.tensor(LENGTHS),
-                           cfg=TrainerConfig(advantage_norm=norm))
+                           cfg=trainer_config(advantage_norm=norm))
     torch.testing.assert_close(advantages, torch.tensor(ESTIMATORS[name, norm], dtype=torch.float64),
                                rtol=0, atol=1e-6)
 
@@ -123,7 +124,7 @@ def model_dir(tmp_path_factory):
 def _trainer(model_dir, **overrides) -> GRPOTrainer:
     torch.manual_seed(0)
     model = load_policy(ModelConfig(), model_dir, "cpu")
-    return GRPOTrainer(model, TrainerConfig(micro_batch_size=2, **overrides), pad_token_id=0, temperature=1.0,
+    return GRPOTrainer(model, trainer_config(micro_batch_size=2, **overrides), pad_token_id=0, temperature=1.0,
                        max_tokens=4, device="cpu")
 
 

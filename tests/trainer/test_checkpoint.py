@@ -16,6 +16,7 @@ from colo_rl.config import EmbeddedModelConfig, ModelConfig, TrainerConfig
 from colo_rl.models import load_policy, write_embedded_model
 from colo_rl.trainer import CheckpointError, GRPOTrainer, load_checkpoint, save_checkpoint
 from colo_rl.trainer.checkpoint import check_compatible, read_manifest
+from tests.configs import trainer_config
 
 from ..conftest import compose_config
 
@@ -31,7 +32,7 @@ def model_dir(tmp_path_factory):
 
 def make_trainer(model_dir, **overrides) -> GRPOTrainer:
     model = load_policy(ModelConfig(), model_dir, "cpu")
-    return GRPOTrainer(model, TrainerConfig(**overrides), pad_token_id=0, temperature=1.0,
+    return GRPOTrainer(model, trainer_config(**overrides), pad_token_id=0, temperature=1.0,
                        max_tokens=8, device="cpu")
 
 

@@ -13,6 +13,7 @@ from colo_rl.lora import apply_lora
 from colo_rl.run import train
 from colo_rl.trainer import GRPOTrainer
 from colo_rl.trainer.flops import ModelShape, peak_tflops, perf_metrics, step_flops
+from tests.configs import trainer_config
 
 from ..conftest import compose_config, small_run_overrides
 
@@ -98,4 +99,4 @@ def test_a_non_positive_peak_is_refused_naming_the_key():
     from colo_rl.config import ConfigError
 
     with pytest.raises(ConfigError, match="trainer.perf.peak_tflops=0"):
-        TrainerConfig(peak_tflops=0)
+        trainer_config(peak_tflops=0)

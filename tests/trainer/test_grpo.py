@@ -9,6 +9,7 @@ from colo_rl.config import ModelConfig, TrainerConfig
 from colo_rl.models import load_policy, write_embedded_model
 from colo_rl.trainer import GRPOTrainer, group_advantages, grpo_loss, loss_normalizer
 from colo_rl.trainer.optim import scheduled_lr
+from tests.configs import trainer_config
 
 PROMPTS = [[5, 6, 7], [8, 9]]
 GROUP = 3
@@ -25,7 +26,7 @@ def model_dir(tmp_path_factory):
 
 def make_trainer(model_dir, temperature=1.0, **overrides) -> GRPOTrainer:
     model = load_policy(ModelConfig(), model_dir, "cpu")
-    return GRPOTrainer(model, TrainerConfig(**overrides), pad_token_id=0, temperature=temperature,
+    return GRPOTrainer(model, trainer_config(**overrides), pad_token_id=0, temperature=temperature,
                        max_tokens=8, device="cpu")
 
 

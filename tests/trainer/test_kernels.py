@@ -12,6 +12,7 @@ from colo_rl.models import load_policy, write_embedded_model
 from colo_rl.trainer import GRPOTrainer
 from colo_rl.trainer.loss import grpo_loss
 from colo_rl.trainer.kernels import apply_liger, check_kernels, decoder_layers, resolve_kernels
+from tests.configs import trainer_config
 
 from ..conftest import update_recording_grads
 
@@ -29,7 +30,7 @@ def model_dir(tmp_path_factory):
 def update(model_dir, **cfg):
     """One update's log-probs, stats and gradients (SGD at lr 0: the parameters stay)."""
     torch.manual_seed(0)
-    t = GRPOTrainer(load_policy(ModelConfig(), model_dir, "cpu"), TrainerConfig(micro_batch_size=3, **cfg),
+    t = GRPOTrainer(load_policy(ModelConfig(), model_dir, "cpu"), trainer_config(micro_batch_size=3, **cfg),
                     pad_token_id=0, temperature=0.7, max_tokens=8, device="cpu")
     micro = t._micro_batches([p for p in PROMPTS for _ in range(GROUP)], COMPLETIONS,
                              torch.tensor(REWARDS) - 0.4, None)
@@ -90,7 +91,7 @@ def test_auto_picks_liger_only_where_it_can_run():
 
 def test_unknown_kernels_are_refused_naming_the_key():
     with pytest.raises(ConfigError, match="trainer.perf.kernels"):
-        TrainerConfig(kernels="flash")
+        trainer_config(kernels="flash")
 
 
 def test_liger_patches_the_model_it_is_given_and_no_other(model_dir):

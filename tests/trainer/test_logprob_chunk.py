@@ -11,6 +11,7 @@ from colo_rl.lora import apply_lora
 from colo_rl.models import load_policy, write_embedded_model
 from colo_rl.trainer import GRPOTrainer
 from colo_rl.trainer.logprobs import _output_head
+from tests.configs import trainer_config
 
 from ..conftest import update_recording_grads
 
@@ -44,7 +45,7 @@ def policy(model_dir, lora=None):
 
 
 def trainer(model, chunk, temperature=0.7, **cfg):
-    return GRPOTrainer(model, TrainerConfig(logprob_chunk=chunk, **cfg), pad_token_id=0,
+    return GRPOTrainer(model, trainer_config(logprob_chunk=chunk, **cfg), pad_token_id=0,
                        temperature=temperature, max_tokens=8, device="cpu")
 
 
@@ -114,7 +115,7 @@ def test_a_negative_chunk_is_refused_naming_the_key():
     from colo_rl.config import ConfigError
 
     with pytest.raises(ConfigError, match="trainer.perf.logprob_chunk=-1"):
-        TrainerConfig(logprob_chunk=-1)
+        trainer_config(logprob_chunk=-1)
 
 
 def test_sorting_by_length_pads_less_and_gives_the_same_step(model_dir):

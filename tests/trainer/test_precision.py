@@ -8,12 +8,13 @@ import math
 import pytest
 import torch
 
-from colo_rl.config import ConfigError, GeneratorConfig, ModelConfig, SamplingConfig, TrainerConfig, validate
+from colo_rl.config import ConfigError, GeneratorConfig, ModelConfig, OptimConfig, SamplingConfig, TrainerConfig, validate
 from colo_rl.generator import VLLMGenerator
 from colo_rl.models import load_policy, write_embedded_model
 from colo_rl.run import train
 from colo_rl.switch import Switch
 from colo_rl.trainer import GRPOTrainer, load_checkpoint
+from tests.configs import trainer_config
 
 from ..conftest import compose_config, small_run_overrides
 
@@ -50,7 +51,7 @@ def test_fp32_masters_move_at_lr_1e_6_where_pure_bf16_rounds_most_updates_away(b
     for precision, dtype in (("mixed", "float32"), ("pure", "bfloat16")):
         torch.manual_seed(0)
         model = load_policy(BF16, bf16_model_dir, "cpu", dtype=dtype)
-        trainer = GRPOTrainer(model, TrainerConfig(lr=1e-6, precision=precision), pad_token_id=0,
+        trainer = GRPOTrainer(model, trainer_config(lr=1e-6, precision=precision), pad_token_id=0,
                               temperature=1.0, max_tokens=8, device="cpu", autocast_dtype=torch.bfloat16)
         assert next(trainer.model.parameters()).dtype == getattr(torch, dtype)
         assert all(v.dtype == getattr(torch, dtype) for s in trainer.optimizer.state.values()
@@ -96,7 +97,7 @@ def test_each_optimizer_choice_trains_and_keeps_its_state_small(bf16_model_dir, 
     dtype = "float32" if precision == "mixed" else "bfloat16"
     model = load_policy(BF16, bf16_model_dir, "cpu", dtype=dtype)
     # 8-bit state is block-wise for tensors of 4096 elements or more: give it one to quantise
-    cfg = TrainerConfig(lr=1e-3, optimizer=optimizer, precision=precision)
+    cfg = trainer_config(lr=1e-3, optim=OptimConfig(name=optimizer), precision=precision)
     trainer = GRPOTrainer(model, cfg, pad_token_id=0, temperature=1.0, max_tokens=8, device="cpu")
     fraction = steps_of(trainer, 2)
     assert fraction > 0.5, fraction
@@ -112,7 +113,7 @@ def test_gradient_checkpointing_gives_the_same_loss_and_gradient_norm(bf16_model
     metrics = []
     for checkpointing in (False, True):
         model = load_policy(ModelConfig(), bf16_model_dir, "cpu", dtype="float32")
-        trainer = GRPOTrainer(model, TrainerConfig(gradient_checkpointing=checkpointing, lr=1e-3),
+        trainer = GRPOTrainer(model, trainer_config(gradient_checkpointing=checkpointing, lr=1e-3),
                               pad_token_id=0, temperature=1.0, max_tokens=8, device="cpu")
         assert model.is_gradient_checkpointing == checkpointing
         metrics.append(trainer.train_step(PROMPTS, COMPLETIONS, REWARDS, GROUP))
