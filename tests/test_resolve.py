@@ -33,7 +33,7 @@ def test_resolved_settings_are_frozen_hold_no_auto_and_are_the_wandb_config(tmp_
     validated = dataclasses.asdict(run.settings)
     result = run.execute()
     assert OmegaConf.to_container(cfg) == composed  # the user's config is never mutated
-    assert dataclasses.asdict(run.validated) == validated and validated["trainer"]["offload"] == "auto"
+    assert dataclasses.asdict(run.validated) == validated and validated["trainer"]["memory"]["offload"] == "auto"
     resolved = run.resolved
     with pytest.raises(dataclasses.FrozenInstanceError):
         resolved.settings.trainer.memory.offload = "none"

@@ -63,7 +63,7 @@ def test_shortened_default_run_logs_every_phase_and_leaves_no_engine(tmp_path, c
     # the W&B run saw the same numbers and the resolved config
     # (the plan's choices where the config says auto: on a CPU all, the engine's 0.5, micro-batch 16)
     assert result.wandb_config["generator"]["gpu_memory_utilization"] == 0.5
-    assert result.wandb_config["trainer"]["offload"] == "all"
+    assert result.wandb_config["trainer"]["memory"]["offload"] == "all"
     assert result.wandb_config["trainer"]["micro_batch_size"] == 16  # auto, with no GPU to plan
     assert result.wandb_config["trainer"]["steps"] == 3
     assert result.wandb_summary["train/step"] == 2
