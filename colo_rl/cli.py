@@ -154,6 +154,22 @@ def _missing_config_message(exc: BaseException) -> str:
     return f"{missing}: config not found. Check the name, or add its directory with --config-dir DIR"
 
 
+def refuse_moved_keys(argv: Sequence[str]) -> None:
+    """An override of a key of the old trainer layout (colo_rl.config_moves.OLD_KEYS): its one
+    line naming the new key and exit code 2, before seconds of imports. With `debug` the override
+    goes on to Hydra, whose error for it carries the same line after its traceback."""
+    from colo_rl.config_moves import moved_message
+
+    if debug_requested(argv):
+        return
+    for arg in argv:
+        key = arg.partition("=")[0] if "=" in arg else arg if arg.startswith("~") else ""
+        message = moved_message(key) if key and not key.startswith("-") else None
+        if message:
+            report_error(message)
+            raise SystemExit(EXIT_INPUT_ERROR)
+
+
 def report_error(message: str) -> None:
     print(f"colo_rl: error: {message}", file=sys.stderr, flush=True)
 

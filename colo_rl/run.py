@@ -11,6 +11,9 @@ from __future__ import annotations
 import sys
 
 if __name__ == "__main__":  # torch, transformers and the rest take seconds to import: say so first
+    from colo_rl.cli import refuse_moved_keys
+
+    refuse_moved_keys(sys.argv[1:])  # a key of the old trainer layout: its new place, at once
     print("colo_rl: starting (importing torch, transformers, Hydra)", flush=True)  # stderr: errors only
     # ...and start the engine's worker first: it imports vLLM while this process imports torch
     from colo_rl.generator.process import prespawn

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 from colo_rl.config import TrainerConfig
@@ -28,3 +29,22 @@ def trainer_config(**keys) -> TrainerConfig:
     for group, values in grouped.items():
         direct[group] = _GROUPS[group]().__class__(**values)
     return TrainerConfig(**direct)
+
+
+def old_layout(config: dict) -> dict:
+    """`config` (plain containers, the current layout) as a config.yaml written before the trainer
+    keys were grouped (colo_rl.config_moves.OLD_KEYS) held it."""
+    from colo_rl.config_moves import OLD_KEYS
+
+    old = copy.deepcopy(config)
+    for group in ("algo", "optim", "memory", "perf", "checkpoint"):
+        del old["trainer"][group]
+    for old_key, new_key in OLD_KEYS.items():
+        value, node = config, old
+        for part in new_key.split("."):
+            value = value[part]
+        *parents, leaf = old_key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return old

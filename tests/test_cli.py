@@ -16,6 +16,7 @@ import pytest
 
 from colo_rl.cli import input_error_message
 from colo_rl.config import validate
+from colo_rl.config_moves import OLD_KEYS
 
 from .conftest import ROOT, compose_config
 
@@ -83,6 +84,10 @@ COMPOSE_ERRORS = {
                                "trainer.algo.advantage_estimator='reinforce_pp' whitens over the whole batch"),
     "skip_zero_advantage_with_kl": (["trainer.algo.skip_zero_advantage=true", "trainer.algo.kl_coef=0.1"],
                                     "trainer.algo.skip_zero_advantage=True cannot skip sequences with trainer.algo.kl_coef=0.1"),
+    "moved_key": (["trainer.checkpoint_every=5"],
+                  "trainer.checkpoint_every moved to trainer.checkpoint.every (docs/config.md)"),
+    "moved_group": (["trainer.dynamic_sampling.enabled=true"],
+                    "trainer.dynamic_sampling.enabled moved to trainer.algo.dynamic_sampling.enabled (docs/config.md)"),
 }
 
 
@@ -141,6 +146,36 @@ def test_each_bad_input_is_one_error_line_exit_2_without_traceback_or_engine(tmp
         assert not glob(os.path.join(tempfile.gettempdir(), f"colo_rl-engine-{proc.pid}-*")), name
     assert not marker.exists()
     assert not list(tmp_path.glob("*/engine*.log"))
+
+
+@pytest.mark.parametrize("old, new", OLD_KEYS.items(), ids=list(OLD_KEYS))
+def test_every_key_of_the_old_trainer_layout_is_one_line_naming_its_new_place_exit_2(old, new, tmp_path):
+    # as an override and as an added key; the line comes before torch is imported: no engine
+    for arg in (f"{old}=1", f"+{old}=1"):
+        proc = cli(arg, f"output_dir={tmp_path / 'run'}", "logger=none", cwd=tmp_path)
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 2, (arg, out[-2000:], err[-2000:])
+        assert "Traceback" not in out + err, (arg, err)
+        assert err.splitlines() == [f"colo_rl: error: {old} moved to {new} (docs/config.md)"], (arg, err)
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_old_key_in_a_yaml_file_or_under_debug_names_its_new_place_too(tmp_path):
+    (tmp_path / "conf" / "experiment").mkdir(parents=True)
+    (tmp_path / "conf" / "experiment" / "old.yaml").write_text(
+        "# @package _global_\ntrainer:\n  checkpoint_every: 3\n  dynamic_sampling:\n    enabled: true\n")
+    env = {"COLO_RL_PRESPAWN": "0"}
+    cases = {"yaml": (["--config-dir", str(tmp_path / "conf"), "experiment=old"],
+                      "trainer.checkpoint_every moved to trainer.checkpoint.every (docs/config.md)"),
+             "debug": (["trainer.kl_coef=0.1", "debug=true"],
+                       "trainer.kl_coef moved to trainer.algo.kl_coef (docs/config.md)")}
+    for name, (args, expected) in cases.items():
+        proc = cli(*args, f"output_dir={tmp_path / name}", "logger=none", cwd=tmp_path, env=env)
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 2, (name, err[-3000:])
+        errors = [line for line in err.splitlines() if line.startswith("colo_rl: error: ")]
+        assert errors == [f"colo_rl: error: {expected}"], (name, err[-3000:])
+        assert ("Traceback" in err) == (name == "debug"), (name, err[-3000:])
 
 
 def test_debug_or_hydra_full_error_shows_the_traceback_of_an_input_error(tmp_path):

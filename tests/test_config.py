@@ -64,6 +64,30 @@ def test_engine_kwargs_as_the_readme_adds_them_reach_the_generator_config():
         "compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY"}, "max_num_batched_tokens": 8192}
 
 
+def test_a_sweep_over_the_optimizer_presets_composes_one_job_per_optimizer():
+    # `python -m colo_rl.run -m trainer/optim=adamw,adamw_8bit`: the basic sweeper's jobs, composed
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(["trainer/optim=adamw,adamw_8bit,adamw_bf16_sr",
+                                                       "trainer.optim.weight_decay=0.1"])
+    jobs = BasicSweeper.split_arguments(parsed, None)[0]
+    trainers = [OmegaConf.to_object(compose_config(*job)).trainer for job in jobs]
+    assert [t.optim.name for t in trainers] == ["adamw", "adamw_8bit", "adamw_bf16_sr"]
+    # a preset swaps the optimizer; the other optim keys stay the run's
+    assert all(t.optim.weight_decay == 0.1 and t.optim.betas == [0.9, 0.999] and t.lr == 1e-3 for t in trainers)
+
+
+def test_a_checkpoints_config_of_the_old_layout_reads_in_the_new_one():
+    from colo_rl.config_moves import translate
+
+    from tests.configs import old_layout
+
+    composed = OmegaConf.to_container(compose_config(), resolve=True)
+    assert "checkpoint_every" in old_layout(composed)["trainer"]
+    assert translate(old_layout(composed)) == composed and translate(composed) == composed
+
+
 def test_typo_in_a_key_fails_at_compose_naming_it():
     with pytest.raises(ConfigCompositionException, match="generator.gpu_memory_utilizaton"):
         compose_config("generator.gpu_memory_utilizaton=0.3")

@@ -129,6 +129,7 @@ def test_a_run_refused_because_its_directory_is_in_use_writes_nothing_there(tmp_
     (["+trainer.lrr=1e-4"], "trainer.lrr: no such key in colo_rl's config, so it would be ignored"),
     (["+trainer.lora.rnak=8"], "trainer.lora.rnak: no such key"),
     (["+seed=3"], "seed: no such key"),
+    (["+trainer.checkpoint_every=5"], "trainer.checkpoint_every moved to trainer.checkpoint.every (docs/config.md)"),
     # b259d2e: the engine started, and the run ended in TrainingDiverged blaming the lr
     (["trainer.lr=inf"], "trainer.lr=inf must be a finite number"),
     (["trainer.algo.kl_coef=inf"], "trainer.algo.kl_coef=inf must be a finite number"),

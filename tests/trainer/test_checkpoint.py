@@ -15,8 +15,8 @@ from safetensors.torch import load_file
 from colo_rl.config import EmbeddedModelConfig, ModelConfig, TrainerConfig
 from colo_rl.models import load_policy, write_embedded_model
 from colo_rl.trainer import CheckpointError, GRPOTrainer, load_checkpoint, save_checkpoint
-from colo_rl.trainer.checkpoint import check_compatible, read_manifest
-from tests.configs import trainer_config
+from colo_rl.trainer.checkpoint import check_compatible, read_config, read_manifest
+from tests.configs import old_layout, trainer_config
 
 from ..conftest import compose_config
 
@@ -214,6 +214,19 @@ def test_resume_with_another_model_shape_or_optimizer_is_refused_naming_the_keys
         check_compatible(path, config_of("trainer.lr=0.1", "trainer.optim.betas=[0.8,0.9]"))
     with pytest.raises(CheckpointError, match="trainer.algo.kl_coef=a reference model"):
         check_compatible(path, config_of("trainer.algo.kl_coef=0.1"))
+
+
+def test_a_checkpoint_written_before_the_trainer_keys_moved_resumes_and_is_compared_by_its_values(model_dir,
+                                                                                                    tmp_path):
+    config = config_of("trainer.algo.kl_coef=0.1")
+    old = old_layout(config)  # the config.yaml of a checkpoint written in the flat layout
+    assert "optimizer" in old["trainer"] and "optim" not in old["trainer"]
+    path = save_checkpoint(tmp_path / "ckpt", make_trainer(model_dir, kl_coef=0.1), {}, config=old)
+    assert read_config(path) == config
+    check_compatible(path, config)
+    with pytest.raises(CheckpointError, match=r"trainer.optim.name=adamw_8bit \(the checkpoint: adamw\); "
+                                              r"trainer.algo.kl_coef=no reference model"):
+        check_compatible(path, config_of("trainer.optim.name=adamw_8bit"))
 
 
 def test_tensors_that_do_not_fit_the_model_are_named(model_dir, tmp_path):
