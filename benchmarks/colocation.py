@@ -10,10 +10,10 @@ it measures, in this order:
   3. colo_rl's generator (one engine start): --steps steps with weight_sync=cuda_ipc, then
      --steps with weight_sync=file, each phase's median, the offloader's bandwidth and the GPU
      memory the sleeping engine keeps (these restore everything before the step goes on:
-     trainer.overlap_restore=false); then --overlap-pairs rounds of cuda_ipc steps followed by a
+     trainer.memory.overlap_restore=false); then --overlap-pairs rounds of cuda_ipc steps followed by a
      GRPO train step, three arms each: the optimizer state restored inside the phase, in the
      background, and in the background with the restore before the engine's sleep
-     (trainer.restore_while_awake);
+     (trainer.memory.restore_while_awake);
   4. a bare vllm.LLM.generate of the same prompts in a subprocess (benchmarks/bare_vllm.py; this
      process never imports vllm), so the generator's cost on generation is a ratio.
 Prints a table at the end and writes every raw number to --out. Details: benchmarks/README.md.
@@ -393,7 +393,7 @@ def restore_probes(generator, trainer, offloader, prompts, sampling, steps: int 
     return probes
 
 
-# (trainer.overlap_restore, trainer.restore_while_awake) of each arm of overlap_section()
+# (trainer.memory.overlap_restore, trainer.memory.restore_while_awake) of each arm of overlap_section()
 OVERLAP_MODES = {"off": (False, False), "on": (True, False), "awake": (True, True)}
 
 

@@ -1,5 +1,5 @@
 """Peak memory and time of one GRPO forward+backward with the full-vocabulary logits
-(trainer.logprob_chunk=0) against the chunked output head (trainer.logprob_chunk=N).
+(trainer.perf.logprob_chunk=0) against the chunked output head (trainer.perf.logprob_chunk=N).
 
     python benchmarks/logprob_memory.py --out $OUT/logprob_memory.json                 # CPU, ~1 min
     python benchmarks/logprob_memory.py --device cuda --vocab 100352 --hidden 2048 --layers 16 \\
@@ -41,7 +41,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--completion", type=int, default=256)
-    p.add_argument("--chunks", default="0,1024,256", help="comma-separated trainer.logprob_chunk values")
+    p.add_argument("--chunks", default="0,1024,256", help="comma-separated trainer.perf.logprob_chunk values")
     p.add_argument("--precision", default="mixed", choices=["mixed", "fp32"],
                    help="mixed: fp32 weights, bf16 autocast (CUDA only); fp32: no autocast")
     p.add_argument("--repeats", type=int, default=3)
@@ -58,7 +58,7 @@ def run_arm(args) -> dict:
     import torch
     from transformers import Olmo2Config, Olmo2ForCausalLM
 
-    from colo_rl.config import TrainerConfig
+    from colo_rl.config import PerfConfig, TrainerConfig
     from colo_rl.trainer import GRPOTrainer
 
     torch.manual_seed(0)
@@ -69,7 +69,7 @@ def run_arm(args) -> dict:
                          tie_word_embeddings=False)
     model = Olmo2ForCausalLM(config).to(device)
     autocast = torch.bfloat16 if args.precision == "mixed" and device.type == "cuda" else None
-    trainer = GRPOTrainer(model, TrainerConfig(logprob_chunk=args.arm, micro_batch_size=args.batch),
+    trainer = GRPOTrainer(model, TrainerConfig(perf=PerfConfig(logprob_chunk=args.arm), micro_batch_size=args.batch),
                           pad_token_id=0, temperature=1.0, max_tokens=args.completion, device=args.device,
                           autocast_dtype=autocast)
     trainer.optimizer = torch.optim.SGD(model.parameters(), lr=0.0)

@@ -45,7 +45,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--colo-rl", action="store_true", help="also run colo_rl's arm (benchmarks/peer_workload.py)")
     p.add_argument("--bare", action="store_true", help="also time bare vLLM on the workload's shape (bare_vllm.py)")
     p.add_argument("--colo-rl-arm", default="", metavar="OVERRIDES",
-                   help="Hydra overrides for colo_rl's arm (space-separated), e.g. trainer.checkpoint_final=false")
+                   help="Hydra overrides for colo_rl's arm (space-separated), e.g. trainer.checkpoint.final=false")
     p.add_argument("--table", type=Path, help="print the side-by-side table of this raw JSON and exit")
     p.add_argument("--smoke", action="store_true", help="CPU: the workload's smoke form, no sleep mode")
     p.add_argument("--timeout-s", type=float, default=560, help="per arm")

@@ -1,7 +1,7 @@
 """A real `python -m colo_rl.run` on the workload TRL 1.16's GRPOTrainer was measured on (issue #10).
 
     python benchmarks/peer_workload.py --out $OUT/peer_workload.json            # H200: ~4 min an arm
-    python benchmarks/peer_workload.py --arm 'mixed=' --arm 'offload_none=trainer.offload=none'
+    python benchmarks/peer_workload.py --arm 'mixed=' --arm 'offload_none=trainer.memory.offload=none'
     python benchmarks/peer_workload.py --leave-gib 24 --arm 'lora_24gib=trainer.lora.rank=16 ...'   # README of benchmarks/
 
 The workload is benchmarks/workload.py's (`--smoke`: its CPU form). Each arm is one run in its own

@@ -9,7 +9,7 @@ attention, the optimizer, casts and copies, other elementwise), the top kernels,
 colo_rl's own count (`perf/mfu`). Every number goes to --out as JSON.
 
     python benchmarks/train_profile.py --out $OUT/train_profile.json                      # GPU: 1B shape
-    python benchmarks/train_profile.py --out $OUT/p.json -- trainer.logprob_chunk=0       # any overrides
+    python benchmarks/train_profile.py --out $OUT/p.json -- trainer.perf.logprob_chunk=0       # any overrides
     python benchmarks/train_profile.py --smoke --out /tmp/p.json                          # CPU: tiny model
 """
 
@@ -135,10 +135,10 @@ def main(argv=None) -> int:
         torch.cuda.reset_peak_memory_stats()
     times = [step(1 + i) for i in range(args.steps)]
     median = sorted(times)[len(times) // 2]
-    peak = peak_tflops(settings.trainer.peak_tflops, torch.device(device))
+    peak = peak_tflops(settings.trainer.perf.peak_tflops, torch.device(device))
     result = {"model": model, "overrides": args.overrides, "device": torch.cuda.get_device_name() if cuda else "cpu",
               "torch": torch.__version__, "precision": trainer_precision(settings), "kernels": trainer.kernels,
-              "compile": settings.trainer.compile, "weight_copies": trainer.copies,
+              "compile": settings.trainer.perf.compile, "weight_copies": trainer.copies,
               "logprob_kernel": "compiled" if trainer.target_logprobs is not _target_logprobs_eager else "eager",
               "fused_head": trainer.head_ops is not None, "micro_batch_size": settings.trainer.micro_batch_size,
               "warmup_step_s": warmup_s, "step_s": times, "median_step_s": median,

@@ -1,5 +1,5 @@
-"""The run's checkpoint policy, in one object: every trainer.checkpoint_every steps, the final one
-(beside the engine's close), in the background from host copies (trainer.checkpoint_background),
+"""The run's checkpoint policy, in one object: every trainer.checkpoint.every steps, the final one
+(beside the engine's close), in the background from host copies (trainer.checkpoint.background),
 and after an interruption or a failure (when the trainer's state is whole)."""
 
 from __future__ import annotations
@@ -27,14 +27,14 @@ class CheckpointPolicy:
                  start_step: int):
         self.t, self.par, self.directory, self.trainer, self.describe = t, par, directory, trainer, describe
         self.start_step = start_step
-        # trainer.checkpoint_background: checkpoints are written on a thread from a host copy;
+        # trainer.checkpoint.background: checkpoints are written on a thread from a host copy;
         # whatever writes or ends next waits for the write in flight first
-        self.writer = BackgroundWriter() if t.checkpoint_background else None
+        self.writer = BackgroundWriter() if t.checkpoint.background else None
         self.checkpointed = None  # the step of the last periodic checkpoint
 
     def after_step(self, done: dict) -> dict[str, float]:
         """The periodic checkpoint, when one is due; its metrics for the next record."""
-        if not (self.t.checkpoint_every and done["step"] % self.t.checkpoint_every == 0):
+        if not (self.t.checkpoint.every and done["step"] % self.t.checkpoint.every == 0):
             return {}
         written = _wait_for_write(self.writer)
         stall = _checkpoint(self.par, self.directory, self.trainer, done, self.describe, self.writer)
@@ -48,10 +48,10 @@ class CheckpointPolicy:
         the engine closes. A periodic checkpoint of the last step is the final one: it is not
         written twice."""
         t, par, directory, writer = self.t, self.par, self.directory, self.writer
-        final = t.checkpoint_final and self.checkpointed != done["step"]
+        final = t.checkpoint.final and self.checkpointed != done["step"]
         background = final and writer is not None
-        if t.checkpoint_final and not final:
-            log.info("the checkpoint of step %d (trainer.checkpoint_every) is the final one", done["step"])
+        if t.checkpoint.final and not final:
+            log.info("the checkpoint of step %d (trainer.checkpoint.every) is the final one", done["step"])
         start = time.perf_counter()
         if background:
             _wait_for_write(writer)
@@ -83,14 +83,14 @@ class CheckpointPolicy:
             if written != done["step"]:
                 _save(self.directory, self.trainer, done, self.describe)
             log.error("interrupted after %d steps (%s); checkpoint written to %s; resume with "
-                      "trainer.resume=%s", done["step"], exc, self.directory, self.directory)
+                      "trainer.checkpoint.resume=%s", done["step"], exc, self.directory, self.directory)
 
     def on_failure(self, done: dict, exc: BaseException, *, intact: bool) -> None:
         """A failure: what it left intact written, and how to go on from it said."""
         _written_step(self.writer)
         if self.par.is_main:
             _checkpoint_after_failure(exc, self.par, self.directory, self.trainer, done, self.start_step,
-                                      self.describe, intact=intact, resumed_from=self.t.resume)
+                                      self.describe, intact=intact, resumed_from=self.t.checkpoint.resume)
 
 
 def _checkpoint_after_failure(exc: BaseException, par: Parallel, directory: Path,
@@ -98,8 +98,8 @@ def _checkpoint_after_failure(exc: BaseException, par: Parallel, directory: Path
                               intact: bool, resumed_from: str | None) -> None:
     """Write what the failure left intact and say how to go on from it."""
     what = f"{type(exc).__name__} after {done['step']} steps"
-    earlier = (f"trainer.resume={resumed_from} still holds step {start_step}" if resumed_from
-               else "a run without trainer.resume starts it again")
+    earlier = (f"trainer.checkpoint.resume={resumed_from} still holds step {start_step}" if resumed_from
+               else "a run without trainer.checkpoint.resume starts it again")
     if not intact:
         log.error("%s, in the middle of a step's update: the trainer's state is not that of a "
                   "whole step, so no checkpoint is written; the last one written (if any) is in "
@@ -116,7 +116,7 @@ def _checkpoint_after_failure(exc: BaseException, par: Parallel, directory: Path
                       what, done["step"], save_error)
             return
         log.error("%s; checkpoint of the last applied step (%d) written to %s; resume with "
-                  "trainer.resume=%s", what, done["step"], path, directory)
+                  "trainer.checkpoint.resume=%s", what, done["step"], path, directory)
 
 
 def _save(directory: Path, trainer, done: dict, describe: dict,
@@ -141,7 +141,7 @@ def _save(directory: Path, trainer, done: dict, describe: dict,
                 reason = "the write failed"
         raise CheckpointError(f"could not write a checkpoint into {directory}: {reason}. The "
                               "previous checkpoint there (if any) is unchanged; free space there "
-                              f"and resume from it with trainer.resume={directory}") from None
+                              f"and resume from it with trainer.checkpoint.resume={directory}") from None
 
 
 def _checkpoint(par: Parallel, directory: Path, trainer, done: dict, describe: dict,

@@ -69,7 +69,7 @@ def input_error_message(exc: BaseException) -> str | None:
         return (f"{key}: cannot parse this override{detail}. Write overrides as key=value "
                 "(grammar: https://hydra.cc/docs/advanced/override_grammar/basic/)")
     if isinstance(exc, (ConfigCompositionException, SearchPathException)):
-        return _composition_message(exc)
+        return _moved_key_message(exc) or _composition_message(exc)
     return None
 
 
@@ -99,6 +99,25 @@ def _full_key(exc: BaseException) -> str | None:
         key = getattr(candidate, "full_key", None)
         if key:
             return str(key)
+    return None
+
+
+def _moved_key_message(exc: BaseException) -> str | None:
+    """`OLD moved to NEW (docs/config.md)` when composition failed on a key of the old trainer
+    layout (colo_rl.config_moves.OLD_KEYS), given on the command line or in a YAML file."""
+    from colo_rl.config_moves import moved_message
+
+    lines = _lines(exc)
+    override = re.match(r"Could not override '([^']+)'", lines[0] if lines else "")
+    keys = [override.group(1) if override else None, _full_key(exc)]
+    cause: BaseException | None = exc
+    while cause is not None:  # a YAML file's key: OmegaConf's report names it as full_key
+        keys += re.findall(r"full_key:\s*(\S+)", str(cause))
+        cause = cause.__cause__ or cause.__context__
+    for key in keys:
+        message = moved_message(key) if key else None
+        if message:
+            return message
     return None
 
 
@@ -133,6 +152,22 @@ def _missing_config_message(exc: BaseException) -> str:
                 f"Choose {choices}, or add your own directory with --config-dir DIR "
                 f"(README.md: Configuration)")
     return f"{missing}: config not found. Check the name, or add its directory with --config-dir DIR"
+
+
+def refuse_moved_keys(argv: Sequence[str]) -> None:
+    """An override of a key of the old trainer layout (colo_rl.config_moves.OLD_KEYS): its one
+    line naming the new key and exit code 2, before seconds of imports. With `debug` the override
+    goes on to Hydra, whose error for it carries the same line after its traceback."""
+    from colo_rl.config_moves import moved_message
+
+    if debug_requested(argv):
+        return
+    for arg in argv:
+        key = arg.partition("=")[0] if "=" in arg else arg if arg.startswith("~") else ""
+        message = moved_message(key) if key and not key.startswith("-") else None
+        if message:
+            report_error(message)
+            raise SystemExit(EXIT_INPUT_ERROR)
 
 
 def report_error(message: str) -> None:

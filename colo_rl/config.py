@@ -110,7 +110,7 @@ class ModelConfig(Freezable):
     path: Optional[str] = described(None, "Hugging Face model id or local directory (model.source=hf).")
     tokenizer: Optional[str] = described(None, "Tokenizer id or directory; null: the same as model.path.")
     dtype: str = described("float32", "float32 | bfloat16 | float16: what the engine serves and an export "
-                           "writes by default. The trainer's own precision is trainer.precision (fp32 "
+                           "writes by default. The trainer's own precision is trainer.memory.precision (fp32 "
                            "master weights by default under bf16/fp16).")
     trust_remote_code: bool = described(False, "Run the model repository's own Python code (transformers' "
                                         "and vLLM's trust_remote_code).")
@@ -153,10 +153,10 @@ class SamplingConfig(Freezable):
                                 "vLLM then draws each request's noise separately, a kernel per request per "
                                 "token).")
     logprobs: bool = described(True, "Ask the engine for the sampled tokens' log-probs: the weight-sync "
-                               "health metric train/engine_logprob_gap and trainer.tis_cap need them.")
+                               "health metric train/engine_logprob_gap and trainer.algo.tis_cap need them.")
     logprobs_every: Optional[int] = described(None, "Ask for log-probs on steps 0, K, 2K... only (they "
                                               "cost the engine a large share of its throughput); null: "
-                                              "every step with trainer.tis_cap (its weights need them), "
+                                              "every step with trainer.algo.tis_cap (its weights need them), "
                                               "else every 10th.")
     ignore_eos: bool = described(False, "Always generate max_tokens, ignoring end-of-sequence (benchmarks "
                                  "and soak tests).")
@@ -279,19 +279,41 @@ class DynamicSamplingConfig(Freezable):
                                 "dropped ones.")
 
     def __post_init__(self) -> None:
-        _check(self.max_rounds >= 1, "trainer.dynamic_sampling.max_rounds", self.max_rounds, "must be >= 1")
+        _check(self.max_rounds >= 1, "trainer.algo.dynamic_sampling.max_rounds", self.max_rounds,
+               "must be >= 1")
 
 
 @dataclass
-class TrainerConfig(Freezable):
-    """GRPO: algorithm, optimisation and where the trainer state lives between phases."""
+class AlgoConfig(Freezable):
+    """The RL algorithm: how rewards become advantages and the policy loss. A preset of conf/trainer/algo/
+    (trainer/algo=dapo) sets these together."""
 
-    algorithm: str = described("grpo", "The preset (conf/trainer/algo/) the run's algorithm keys came from: "
-                               "a label in the run's config.")
+    name: str = described("grpo", "The preset (conf/trainer/algo/) the run's algorithm keys came from: "
+                          "a label in the run's config.")
     advantage_estimator: str = described("grpo", "grpo | rloo | reinforce_pp | module:function: how rewards "
                                          "become advantages (colo_rl/trainer/algorithms.py).")
+    advantage_norm: str = described("mean", "mean: reward minus the group's mean (Dr. GRPO) | std: also "
+                                    "divided by the group's std (GRPO).")
+    advantage_std: str = described("unbiased", "unbiased | population: the group std of "
+                                   "advantage_norm=std. unbiased (Bessel) is TRL's GRPOTrainer's and verl's, "
+                                   "so runs compare with theirs; population divides by n, giving "
+                                   "advantages sqrt(n/(n-1)) times larger.")
     policy_loss: str = described("ppo_clip", "ppo_clip | gspo | module:function: the per-token policy loss "
                                  "(colo_rl/trainer/algorithms.py).")
+    loss_agg: str = described("token", "token: mean over all tokens of the batch | sequence: mean of each "
+                              "sequence's token mean | constant: sum / (sequences x max_tokens) (Dr. GRPO, "
+                              "no length bias).")
+    clip_eps: float = described(0.2, "PPO clip: the ratio is clipped to [1 - clip_eps, 1 + clip_eps].")
+    clip_eps_high: Optional[float] = described(None, "DAPO's clip-higher: the ratio is clipped to "
+                                               "[1 - clip_eps, 1 + clip_eps_high]; null: clip_eps.")
+    tis_cap: Optional[float] = described(None, "Truncated importance sampling of the engine/trainer mismatch "
+                                         "(TRL's vllm_importance_sampling_correction, verl's TIS): each "
+                                         "token's loss times min(exp(trainer - engine log-prob), tis_cap); "
+                                         "null: off. Needs the engine's log-probs on every step.")
+    kl_coef: float = described(0.0, "> 0 keeps a frozen reference copy of the policy (its memory) and adds "
+                               "a k3 KL penalty of this weight.")
+    updates_per_batch: int = described(1, "Optimizer updates per batch; > 1 reuses the batch with the "
+                                       "PPO-clipped ratio.")
     mask_truncated: bool = described(False, "Leave completions that reached sampling.max_tokens (vLLM's "
                                      "finish reason \"length\") out of the loss and its normalizer (TRL's "
                                      "mask_truncated_completions).")
@@ -300,40 +322,36 @@ class TrainerConfig(Freezable):
                                           "loss, whose gradient there is 0); the normalizer stays the whole "
                                           "batch's, so loss and gradients change only by summation order.")
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
-    device: str = described("auto", "auto | cuda | cpu: where the trainer runs; auto: CUDA when torch sees "
-                            "a GPU.")
-    steps: int = described(30, "Training steps: each generates rollouts and updates the policy on them.")
-    prompts_per_step: int = described(8, "Prompts per step; each gets sampling.n completions.")
-    micro_batch_size: Any = described("auto", type_name="int or auto", help=(
-        "Sequences per forward/backward; gradients accumulate over them (the loss's normalizer is "
-        "the whole batch's, so the size changes results only by summation order). Larger is "
-        "faster and needs more memory. auto: the memory plan picks the largest of "
-        "colo_rl.config.AUTO_MICRO_BATCHES that fits beside the sleeping engine on a GPU; "
-        "DEFAULT_MICRO_BATCH on CPU and under trainer.parallel."))
-    lr: float = described(1e-3, "Peak learning rate (suits the tiny embedded model; real models want far "
-                          "smaller).")
+
+    def __post_init__(self) -> None:
+        _one_of("trainer.algo.name", self.name, ALGORITHM_PRESETS)
+        _one_of("trainer.algo.advantage_norm", self.advantage_norm, ("mean", "std"))
+        _one_of("trainer.algo.advantage_std", self.advantage_std, ("unbiased", "population"))
+        _one_of("trainer.algo.loss_agg", self.loss_agg, ("token", "sequence", "constant"))
+        _check(0 < self.clip_eps < 1, "trainer.algo.clip_eps", self.clip_eps, "must be in (0, 1)")
+        _check(self.clip_eps_high is None or self.clip_eps_high > 0, "trainer.algo.clip_eps_high",
+               self.clip_eps_high, "must be null (= trainer.algo.clip_eps) or > 0")
+        _check(self.tis_cap is None or self.tis_cap > 0, "trainer.algo.tis_cap", self.tis_cap,
+               "must be null (off) or > 0 (e.g. 2.0)")
+        _check(self.kl_coef >= 0, "trainer.algo.kl_coef", self.kl_coef, "must be >= 0")
+        _check(self.updates_per_batch >= 1, "trainer.algo.updates_per_batch", self.updates_per_batch,
+               "must be >= 1")
+
+
+@dataclass
+class OptimConfig(Freezable):
+    """The optimizer and its schedule (trainer.lr is the peak learning rate). A preset of
+    conf/trainer/optim/ (trainer/optim=adamw_8bit) picks the optimizer."""
+
+    name: str = described("adamw", "adamw: torch AdamW, state in the trainer's dtype. adamw_8bit: "
+                          "bitsandbytes' block-wise 8-bit AdamW (2 bytes of state per parameter "
+                          "instead of 8). adamw_bf16_sr: torchao's AdamW with bf16 state and "
+                          "stochastic rounding of bf16 parameters (trainer.memory.precision=pure, "
+                          "model.dtype=bfloat16).")
     weight_decay: float = described(0.0, "AdamW's decoupled weight decay.")
     betas: list[float] = described(help="AdamW's two moment decay rates, each in [0, 1).",
                                    factory=lambda: [0.9, 0.999])
     max_grad_norm: float = described(1.0, "Gradients are clipped to this global L2 norm.")
-    advantage_norm: str = described("mean", "mean: reward minus the group's mean (Dr. GRPO) | std: also "
-                                    "divided by the group's std (GRPO).")
-    loss_agg: str = described("token", "token: mean over all tokens of the batch | sequence: mean of each "
-                              "sequence's token mean | constant: sum / (sequences x max_tokens) (Dr. GRPO, "
-                              "no length bias).")
-    updates_per_batch: int = described(1, "Optimizer updates per batch; > 1 reuses the batch with the "
-                                       "PPO-clipped ratio.")
-    clip_eps: float = described(0.2, "PPO clip: the ratio is clipped to [1 - clip_eps, 1 + clip_eps].")
-    advantage_std: str = described("unbiased", "unbiased | population: the group std of "
-                                   "advantage_norm=std. unbiased (Bessel) is TRL's GRPOTrainer's and verl's, "
-                                   "so runs compare with theirs; population divides by n, giving "
-                                   "advantages sqrt(n/(n-1)) times larger.")
-    clip_eps_high: Optional[float] = described(None, "DAPO's clip-higher: the ratio is clipped to "
-                                               "[1 - clip_eps, 1 + clip_eps_high]; null: clip_eps.")
-    tis_cap: Optional[float] = described(None, "Truncated importance sampling of the engine/trainer mismatch "
-                                         "(TRL's vllm_importance_sampling_correction, verl's TIS): each "
-                                         "token's loss times min(exp(trainer - engine log-prob), tis_cap); "
-                                         "null: off. Needs the engine's log-probs on every step.")
     lr_schedule: str = described("constant", "constant | linear | cosine: after the warmup, constant or a "
                                  "decay to 0 at trainer.steps (transformers' get_*_schedule_with_warmup).")
     warmup_steps: int = described(0, "The lr rises linearly from 0 over these steps (step 0 trains at lr 0 "
@@ -341,8 +359,23 @@ class TrainerConfig(Freezable):
     max_nonfinite_steps: int = described(3, "A step whose loss or grad norm is inf/NaN is skipped (no "
                                          "update); this many in a row stop the run (TrainingDiverged) with "
                                          "a checkpoint of the last good state.")
-    kl_coef: float = described(0.0, "> 0 keeps a frozen reference copy of the policy (its memory) and adds "
-                               "a k3 KL penalty of this weight.")
+
+    def __post_init__(self) -> None:
+        _one_of("trainer.optim.name", self.name, OPTIMIZERS)
+        _check(self.weight_decay >= 0, "trainer.optim.weight_decay", self.weight_decay, "must be >= 0")
+        _check(self.max_grad_norm > 0, "trainer.optim.max_grad_norm", self.max_grad_norm, "must be > 0")
+        _one_of("trainer.optim.lr_schedule", self.lr_schedule, ("constant", "linear", "cosine"))
+        _check(self.max_nonfinite_steps >= 1, "trainer.optim.max_nonfinite_steps", self.max_nonfinite_steps,
+               "must be >= 1")
+        _check(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "trainer.optim.betas",
+               self.betas, "must be two numbers in [0, 1)")
+
+
+@dataclass
+class MemoryConfig(Freezable):
+    """Where the trainer's state lives and in what precision: what leaves the GPU while the engine
+    is awake, what comes back when, what is kept or recomputed."""
+
     precision: str = described("auto", "auto | mixed | pure. mixed: fp32 master weights and optimizer state, "
                                "forward/backward autocast to model.dtype on a GPU (fp32 compute on a CPU); "
                                "the engine gets the masters cast to model.dtype at every push. pure: "
@@ -356,18 +389,40 @@ class TrainerConfig(Freezable):
                                        "weight copies made once per update, the gradients still summed "
                                        "into the fp32 masters: fewer bytes moved and kept, at the rounding "
                                        "of a 16-bit residual stream.")
-    fuse_grad_accumulation: bool = described(True, "Under the weight copies of mixed precision on a GPU "
-                                             "(not with DDP/FSDP, LoRA or compiled layers): each linear "
-                                             "layer's weight gradient is summed into the fp32 master "
-                                             "gradient inside its matmul (Megatron's gradient-accumulation "
-                                             "fusion), not made in bf16 and added after: one pass less over "
-                                             "the weights per micro-batch, and no bf16 rounding of each "
-                                             "micro-batch's part.")
-    optimizer: str = described("adamw", "adamw: torch AdamW, state in the trainer's dtype. adamw_8bit: "
-                               "bitsandbytes' block-wise 8-bit AdamW (2 bytes of state per parameter "
-                               "instead of 8). adamw_bf16_sr: torchao's AdamW with bf16 state and "
-                               "stochastic rounding of bf16 parameters (trainer.precision=pure, "
-                               "model.dtype=bfloat16).")
+    offload: str = described("auto", "auto | all | optimizer | none: what leaves the GPU while the engine "
+                             "is awake. auto: the start-up memory plan (colo_rl.planner) keeps on the GPU "
+                             "whatever fits beside the awake engine (on a CPU: all).")
+    overlap_restore: bool = described(True, "CUDA: the optimizer's state comes back on a side stream, under "
+                                      "the next step's scoring and forward/backward; false waits for all of "
+                                      "it in the restore phase.")
+    restore_while_awake: bool = described(True, "Restore before the engine sleeps when the GPU has room for "
+                                          "both (checked every step): the copies then run before the "
+                                          "engine frees its memory, not in the contended moment after it.")
+    keep_cache: bool = described(False, "Keep torch's allocator cache (about the train step's peak) while "
+                                 "the engine is awake, where the plan finds room for both: saves emptying "
+                                 "and allocating it again every step, at the price of a device peak of "
+                                 "trainer peak + awake engine. Off by default: memory is the scarcer.")
+    gradient_checkpointing: bool = described(False, "Recompute activations in backward: less memory, more "
+                                             "compute.")
+    logprob_recompute: Any = described("auto", type_name="bool or auto", help=(
+        "With the fused head (trainer.perf.fused_head): true recomputes each chunk's logits in "
+        "backward; false keeps them from forward (micro-batch x max_tokens x vocab in model.dtype at "
+        "the peak) and saves one head matmul per chunk. auto: the memory plan keeps them where they "
+        "fit beside the chosen micro-batch (after it: a larger micro-batch gains more); true where "
+        "nothing is planned (a CPU, trainer.parallel)."))
+
+    def __post_init__(self) -> None:
+        _one_of("trainer.memory.precision", self.precision, ("auto", "mixed", "pure"))
+        _one_of("trainer.memory.offload", self.offload, ("auto", "all", "optimizer", "none"))
+        _check(self.logprob_recompute == "auto" or isinstance(self.logprob_recompute, bool),
+               "trainer.memory.logprob_recompute", self.logprob_recompute, "must be true, false or auto")
+
+
+@dataclass
+class PerfConfig(Freezable):
+    """How the train step computes: kernels, compilation, the chunked output head. Same results up
+    to float summation order; speed and peak memory differ."""
+
     logprob_chunk: int = described(1024, "Response positions per chunk of the output head in the log-prob "
                                    "forward: each chunk's logits (chunk x vocab) are reduced to log-sum-exp "
                                    "and the sampled token's logit, and recomputed in backward, so the "
@@ -386,127 +441,125 @@ class TrainerConfig(Freezable):
                                  "matmuls on CUDA; same values. false: each chunk through the head module "
                                  "under activation checkpointing (a LoRA-adapted or otherwise wrapped head "
                                  "always goes that way).")
-    logprob_recompute: Any = described("auto", type_name="bool or auto", help=(
-        "With the fused head: true recomputes each chunk's logits in backward; false keeps them "
-        "from forward (micro-batch x max_tokens x vocab in model.dtype at the peak) and saves one "
-        "head matmul per chunk. auto: the memory plan keeps them where they fit beside the "
-        "chosen micro-batch (after it: a larger micro-batch gains more); true where nothing is "
-        "planned (a CPU, trainer.parallel)."))
+    fuse_grad_accumulation: bool = described(True, "Under the weight copies of mixed precision on a GPU "
+                                             "(not with DDP/FSDP, LoRA or compiled layers): each linear "
+                                             "layer's weight gradient is summed into the fp32 master "
+                                             "gradient inside its matmul (Megatron's gradient-accumulation "
+                                             "fusion), not made in bf16 and added after: one pass less over "
+                                             "the weights per micro-batch, and no bf16 rounding of each "
+                                             "micro-batch's part.")
     sort_by_length: bool = described(True, "Sequences go into micro-batches in order of length, so each pads "
                                      "to a length near its own (same loss and gradients up to float "
                                      "summation order); false: in batch order.")
+    kernels: str = described("auto", "auto | none | liger: Liger's fused Triton kernels for RMSNorm, SwiGLU "
+                             "and RoPE (a CUDA trainer, liger-kernel installed, a model type it knows); the "
+                             "same computation in fewer passes over the activations. auto: liger wherever "
+                             "it can run (not with trainer.perf.compile), else none.")
+    compile: bool = described(False, "torch.compile each decoder layer (regional: compiled once, reused by "
+                              "every layer); the first train step pays the compilation.")
     peak_tflops: Optional[float] = described(None, "Dense bf16 peak of the training device in TFLOP/s, for "
                                              "perf/mfu; null: the data-sheet figure of a known GPU "
                                              "(colo_rl/trainer/flops.py), no MFU logged on a CPU or an "
                                              "unknown GPU.")
-    gradient_checkpointing: bool = described(False, "Recompute activations in backward: less memory, more "
-                                             "compute.")
-    kernels: str = described("auto", "auto | none | liger: Liger's fused Triton kernels for RMSNorm, SwiGLU "
-                             "and RoPE (a CUDA trainer, liger-kernel installed, a model type it knows); the "
-                             "same computation in fewer passes over the activations. auto: liger wherever "
-                             "it can run (not with trainer.compile), else none.")
-    compile: bool = described(False, "torch.compile each decoder layer (regional: compiled once, reused by "
-                              "every layer); the first train step pays the compilation.")
-    offload: str = described("auto", "auto | all | optimizer | none: what leaves the GPU while the engine "
-                             "is awake. auto: the start-up memory plan (colo_rl.planner) keeps on the GPU "
-                             "whatever fits beside the awake engine (on a CPU: all).")
-    overlap_restore: bool = described(True, "CUDA: the optimizer's state comes back on a side stream, under "
-                                      "the next step's scoring and forward/backward; false waits for all of "
-                                      "it in the restore phase.")
-    restore_while_awake: bool = described(True, "Restore before the engine sleeps when the GPU has room for "
-                                          "both (checked every step): the copies then run before the "
-                                          "engine frees its memory, not in the contended moment after it.")
-    keep_cache: bool = described(False, "Keep torch's allocator cache (about the train step's peak) while "
-                                 "the engine is awake, where the plan finds room for both: saves emptying "
-                                 "and allocating it again every step, at the price of a device peak of "
-                                 "trainer peak + awake engine. Off by default: memory is the scarcer.")
-    seed: int = described(0, "Seed of torch's random state in the trainer (adapter initialisation, "
-                           "dropout) and of the engine.")
-    checkpoint_every: int = described(0, "Steps between checkpoints; 0: only at the end and on interruption.")
-    checkpoint_final: bool = described(True, "false: no checkpoint at the end (a sweep that wants metrics "
-                                       "only); a failure still writes one.")
-    checkpoint_background: bool = described(False, "true: periodic and final checkpoints are copied to host "
-                                            "memory (the step waits for that copy only) and written on a "
-                                            "thread while the run goes on; needs host memory for one more "
-                                            "copy of the trainer's state.")
+
+    def __post_init__(self) -> None:
+        _one_of("trainer.perf.logprob_kernel", self.logprob_kernel, ("auto", "compiled", "eager"))
+        _check(self.logprob_chunk >= 0, "trainer.perf.logprob_chunk", self.logprob_chunk,
+               "must be >= 0 (response positions per chunk of the output head; 0: full logits)")
+        _one_of("trainer.perf.kernels", self.kernels, ("auto", "none", "liger"))
+        _check(not (self.kernels == "liger" and self.compile), "trainer.perf.kernels", self.kernels,
+               "cannot be combined with trainer.perf.compile=true: Dynamo does not trace Liger's Triton "
+               "kernels (the compiled Liger model's log-probs differ from the same model run "
+               "eagerly); set trainer.perf.kernels=auto (it leaves Liger off when compiling) or "
+               "trainer.perf.compile=false")
+        _check(self.peak_tflops is None or self.peak_tflops > 0, "trainer.perf.peak_tflops", self.peak_tflops,
+               "must be null (the device's known peak) or > 0 (TFLOP/s)")
+
+
+@dataclass
+class CheckpointConfig(Freezable):
+    """When the run writes checkpoints, where it resumes from, and the exported model."""
+
+    every: int = described(0, "Steps between checkpoints; 0: only at the end and on interruption.")
+    final: bool = described(True, "false: no checkpoint at the end (a sweep that wants metrics only); a "
+                            "failure still writes one.")
+    background: bool = described(False, "true: periodic and final checkpoints are copied to host memory "
+                                 "(the step waits for that copy only) and written on a thread while the "
+                                 "run goes on; needs host memory for one more copy of the trainer's state.")
     resume: Optional[str] = described(None, "A checkpoint/ directory written by an earlier run, to continue "
                                       "from.")
-    export_final: bool = described(False, "At the end, write a Hugging Face model directory from the last "
-                                   "checkpoint.")
-    export_dir: Optional[str] = described(None, "Where export_final writes; null: OUTPUT_DIR/export.")
+    export: bool = described(False, "At the end, write a Hugging Face model directory from the last "
+                             "checkpoint.")
+    export_dir: Optional[str] = described(None, "Where trainer.checkpoint.export writes; null: "
+                                          "OUTPUT_DIR/export.")
+
+    def __post_init__(self) -> None:
+        _check(self.every >= 0, "trainer.checkpoint.every", self.every, "must be >= 0")
+        if self.export:
+            _check(self.final, "trainer.checkpoint.final", self.final,
+                   "but trainer.checkpoint.export=true exports the final checkpoint: set one of them right")
+        if self.export_dir is not None:
+            _check(self.export, "trainer.checkpoint.export_dir", self.export_dir,
+                   "is set but trainer.checkpoint.export=false: add trainer.checkpoint.export=true")
+            _check(not os.path.isfile(self.export_dir), "trainer.checkpoint.export_dir", self.export_dir,
+                   "is a file: give a directory for the exported model")
+        if self.resume is not None:
+            _check(os.path.isfile(os.path.join(self.resume, "manifest.json")), "trainer.checkpoint.resume",
+                   self.resume, "is not a checkpoint directory (no manifest.json in it): point it "
+                   "at the checkpoint/ directory of an earlier run")
+
+
+@dataclass
+class TrainerConfig(Freezable):
+    """The trainer: the keys typed every day (steps, prompts per step, lr, micro-batch) here, the rest
+    grouped by concern: algo, optim, memory, perf, checkpoint, lora."""
+
+    steps: int = described(30, "Training steps: each generates rollouts and updates the policy on them.")
+    prompts_per_step: int = described(8, "Prompts per step; each gets sampling.n completions.")
+    lr: float = described(1e-3, "Peak learning rate (suits the tiny embedded model; real models want far "
+                          "smaller); its schedule: trainer.optim.*.")
+    micro_batch_size: Any = described("auto", type_name="int or auto", help=(
+        "Sequences per forward/backward; gradients accumulate over them (the loss's normalizer is "
+        "the whole batch's, so the size changes results only by summation order). Larger is "
+        "faster and needs more memory. auto: the memory plan picks the largest of "
+        "colo_rl.config.AUTO_MICRO_BATCHES that fits beside the sleeping engine on a GPU; "
+        "DEFAULT_MICRO_BATCH on CPU and under trainer.parallel."))
+    device: str = described("auto", "auto | cuda | cpu: where the trainer runs; auto: CUDA when torch sees "
+                            "a GPU.")
+    seed: int = described(0, "Seed of torch's random state in the trainer (adapter initialisation, "
+                          "dropout) and of the engine.")
     parallel: str = described("none", "none | ddp | fsdp: data parallel over torchrun's ranks (one GPU each).")
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    perf: PerfConfig = field(default_factory=PerfConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
 
     def __post_init__(self) -> None:
-        _one_of("trainer.algorithm", self.algorithm, ALGORITHM_PRESETS)
         _one_of("trainer.device", self.device, ("auto", "cuda", "cpu"))
-        _one_of("trainer.advantage_norm", self.advantage_norm, ("mean", "std"))
-        _one_of("trainer.loss_agg", self.loss_agg, ("token", "sequence", "constant"))
-        _one_of("trainer.offload", self.offload, ("auto", "all", "optimizer", "none"))
-        _one_of("trainer.precision", self.precision, ("auto", "mixed", "pure"))
-        _one_of("trainer.optimizer", self.optimizer, OPTIMIZERS)
         _one_of("trainer.parallel", self.parallel, ("none", "ddp", "fsdp"))
-        _one_of("trainer.kernels", self.kernels, ("auto", "none", "liger"))
-        _check(not (self.kernels == "liger" and self.compile), "trainer.kernels", self.kernels,
-               "cannot be combined with trainer.compile=true: Dynamo does not trace Liger's Triton "
-               "kernels (the compiled Liger model's log-probs differ from the same model run "
-               "eagerly); set trainer.kernels=auto (it leaves Liger off when compiling) or "
-               "trainer.compile=false")
         if self.parallel == "fsdp":
-            if self.offload == "auto":
-                self.offload = "none"
-            _check(self.offload == "none", "trainer.offload", self.offload,
+            if self.memory.offload == "auto":
+                self.memory.offload = "none"
+            _check(self.memory.offload == "none", "trainer.memory.offload", self.memory.offload,
                    "must be none with trainer.parallel=fsdp (the shards stay on their GPUs; "
                    "use trainer.parallel=ddp to offload)")
-            _check(self.kl_coef == 0, "trainer.kl_coef", self.kl_coef,
+            _check(self.algo.kl_coef == 0, "trainer.algo.kl_coef", self.algo.kl_coef,
                    "must be 0 with trainer.parallel=fsdp (no sharded reference model yet)")
-            _check(self.resume is None, "trainer.resume", self.resume,
+            _check(self.checkpoint.resume is None, "trainer.checkpoint.resume", self.checkpoint.resume,
                    "is not supported with trainer.parallel=fsdp yet: resume with trainer.parallel=ddp")
             _check(self.lora.rank == 0, "trainer.lora.rank", self.lora.rank,
                    "must be 0 with trainer.parallel=fsdp (the merged push does not gather sharded "
                    "adapters yet): use trainer.parallel=ddp with LoRA")
-        _check(self.peak_tflops is None or self.peak_tflops > 0, "trainer.peak_tflops", self.peak_tflops,
-               "must be null (the device's known peak) or > 0 (TFLOP/s)")
-        _one_of("trainer.logprob_kernel", self.logprob_kernel, ("auto", "compiled", "eager"))
-        _check(self.logprob_chunk >= 0, "trainer.logprob_chunk", self.logprob_chunk,
-               "must be >= 0 (response positions per chunk of the output head; 0: full logits)")
-        for key in ("steps", "prompts_per_step", "updates_per_batch"):
+        for key in ("steps", "prompts_per_step"):
             _check(getattr(self, key) >= 1, f"trainer.{key}", getattr(self, key), "must be >= 1")
         m = self.micro_batch_size
         _check(m == "auto" or (isinstance(m, int) and not isinstance(m, bool) and m >= 1),
                "trainer.micro_batch_size", m, "must be >= 1 or auto")
-        _check(self.logprob_recompute == "auto" or isinstance(self.logprob_recompute, bool),
-               "trainer.logprob_recompute", self.logprob_recompute, "must be true, false or auto")
         _check(self.lr > 0, "trainer.lr", self.lr, "must be > 0")
-        _check(self.weight_decay >= 0, "trainer.weight_decay", self.weight_decay, "must be >= 0")
-        _check(self.max_grad_norm > 0, "trainer.max_grad_norm", self.max_grad_norm, "must be > 0")
-        _check(0 < self.clip_eps < 1, "trainer.clip_eps", self.clip_eps, "must be in (0, 1)")
-        _one_of("trainer.advantage_std", self.advantage_std, ("unbiased", "population"))
-        _check(self.clip_eps_high is None or self.clip_eps_high > 0, "trainer.clip_eps_high",
-               self.clip_eps_high, "must be null (= trainer.clip_eps) or > 0")
-        _check(self.tis_cap is None or self.tis_cap > 0, "trainer.tis_cap", self.tis_cap,
-               "must be null (off) or > 0 (e.g. 2.0)")
-        _one_of("trainer.lr_schedule", self.lr_schedule, ("constant", "linear", "cosine"))
-        _check(0 <= self.warmup_steps < self.steps, "trainer.warmup_steps", self.warmup_steps,
+        _check(0 <= self.optim.warmup_steps < self.steps, "trainer.optim.warmup_steps", self.optim.warmup_steps,
                f"must be in [0, trainer.steps={self.steps}) (the lr reaches trainer.lr after them)")
-        _check(self.max_nonfinite_steps >= 1, "trainer.max_nonfinite_steps", self.max_nonfinite_steps,
-               "must be >= 1")
-        _check(self.kl_coef >= 0, "trainer.kl_coef", self.kl_coef, "must be >= 0")
-        _check(self.checkpoint_every >= 0, "trainer.checkpoint_every", self.checkpoint_every, "must be >= 0")
-        _check(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "trainer.betas",
-               self.betas, "must be two numbers in [0, 1)")
-        if self.export_final:
-            _check(self.checkpoint_final, "trainer.checkpoint_final", self.checkpoint_final,
-                   "but trainer.export_final=true exports the final checkpoint: set one of them right")
-        if self.export_dir is not None:
-            _check(self.export_final, "trainer.export_dir", self.export_dir,
-                   "is set but trainer.export_final=false: add trainer.export_final=true")
-            _check(not os.path.isfile(self.export_dir), "trainer.export_dir", self.export_dir,
-                   "is a file: give a directory for the exported model")
-        if self.resume is not None:
-            _check(os.path.isfile(os.path.join(self.resume, "manifest.json")), "trainer.resume",
-                   self.resume, "is not a checkpoint directory (no manifest.json in it): point it "
-                   "at the checkpoint/ directory of an earlier run")
 
 
 @dataclass
@@ -644,7 +697,7 @@ class RunConfig(Freezable):
     eval: EvalConfig = field(default_factory=EvalConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     output_dir: Optional[str] = described(None, "The run's directory; null: Hydra's runtime.output_dir.")
-    overwrite_output_dir: bool = described(False, "true: a run without trainer.resume into a directory "
+    overwrite_output_dir: bool = described(False, "true: a run without trainer.checkpoint.resume into a directory "
                                            "holding an earlier run's checkpoint replaces it (and drops its "
                                            "metrics); false: such a run is refused.")
     debug: bool = described(False, "true: input errors show their traceback too (colo_rl.cli).")
@@ -693,21 +746,21 @@ def validate(cfg: DictConfig | RunConfig) -> RunConfig:
             raise
     _check_finite(settings)
     s, g, t = settings.sampling, settings.generator, settings.trainer
-    if t.advantage_norm == "std":
+    if t.algo.advantage_norm == "std":
         _check(s.n >= 2, "sampling.n", s.n,
-               "must be >= 2 with trainer.advantage_norm=std (a group of one has no std); "
-               "use trainer.advantage_norm=mean or a larger group")
-    if t.tis_cap is not None:
+               "must be >= 2 with trainer.algo.advantage_norm=std (a group of one has no std); "
+               "use trainer.algo.advantage_norm=mean or a larger group")
+    if t.algo.tis_cap is not None:
         _check(s.logprobs, "sampling.logprobs", s.logprobs,
-               f"must be true with trainer.tis_cap={t.tis_cap} (the importance weights need the "
-               "engine's sampled log-probs); set sampling.logprobs=true or trainer.tis_cap=null")
+               f"must be true with trainer.algo.tis_cap={t.algo.tis_cap} (the importance weights need the "
+               "engine's sampled log-probs); set sampling.logprobs=true or trainer.algo.tis_cap=null")
         _check(s.logprobs_every in (None, 1), "sampling.logprobs_every", s.logprobs_every,
-               f"must be 1 or null with trainer.tis_cap={t.tis_cap} (the importance weights need the "
-               "engine's log-probs on every step); set sampling.logprobs_every=null or trainer.tis_cap=null")
+               f"must be 1 or null with trainer.algo.tis_cap={t.algo.tis_cap} (the importance weights need the "
+               "engine's log-probs on every step); set sampling.logprobs_every=null or trainer.algo.tis_cap=null")
         mode = g.engine_kwargs.get("logprobs_mode", "processed_logprobs")
         _check(s.temperature == 1 or mode == "processed_logprobs", "sampling.temperature", s.temperature,
                f"needs generator.engine_kwargs.logprobs_mode=processed_logprobs (colo_rl's default) with "
-               f"trainer.tis_cap={t.tis_cap}: {mode!r} are log-probs before the temperature, the "
+               f"trainer.algo.tis_cap={t.algo.tis_cap}: {mode!r} are log-probs before the temperature, the "
                "trainer's after it, so their ratio would not be the sampling mismatch")
     if s.max_tokens >= g.max_model_len:
         raise ConfigError(f"sampling.max_tokens={s.max_tokens} must be below generator.max_model_len="
@@ -735,9 +788,14 @@ def validate(cfg: DictConfig | RunConfig) -> RunConfig:
 
 def _refuse_added_keys(cfg: DictConfig) -> None:
     """A key the schema does not have, added with `+key=value` (Hydra lets `+` past the schema),
-    would be stored and ignored: refused, naming it. Free-form dicts (generator.engine_kwargs)
-    take any key."""
+    would be stored and ignored: refused, naming it (a key of the old trainer layout: naming its
+    new place, colo_rl.config_moves). Free-form dicts (generator.engine_kwargs) take any key."""
+    from colo_rl.config_moves import moved_message
+
     for key in _added_keys(cfg, ""):
+        moved = moved_message(key)
+        if moved:
+            raise ConfigError(moved)
         raise ConfigError(f"{key}: no such key in colo_rl's config, so it would be ignored. Check its "
                           "spelling against `python -m colo_rl.run --cfg job` (a key is set as "
                           "group.key=VALUE, without +)")
@@ -776,9 +834,9 @@ def _check_finite(obj: Any, prefix: str = "") -> None:
 
 
 def trainer_precision(settings: RunConfig) -> str:
-    """trainer.precision with `auto` resolved: fp32 masters whenever the engine's dtype is 16-bit."""
-    if settings.trainer.precision != "auto":
-        return settings.trainer.precision
+    """trainer.memory.precision with `auto` resolved: fp32 masters whenever the engine's dtype is 16-bit."""
+    if settings.trainer.memory.precision != "auto":
+        return settings.trainer.memory.precision
     return "mixed" if settings.model.dtype in ("bfloat16", "float16") else "pure"
 
 
@@ -796,8 +854,8 @@ def micro_batch_size(t: "TrainerConfig") -> int:
 
 
 def logprob_recompute(t: "TrainerConfig") -> bool:
-    """trainer.logprob_recompute as a bool: auto left unresolved (no memory plan) recomputes."""
-    return True if t.logprob_recompute == "auto" else bool(t.logprob_recompute)
+    """trainer.memory.logprob_recompute as a bool: auto left unresolved (no memory plan) recomputes."""
+    return True if t.memory.logprob_recompute == "auto" else bool(t.memory.logprob_recompute)
 
 
 def trainer_dtype(settings: RunConfig) -> str:
@@ -812,18 +870,18 @@ def _check_precision(settings: RunConfig) -> None:
     if t.lora.rank and importlib.util.find_spec("peft") is None:
         raise ConfigError(f"trainer.lora.rank={t.lora.rank} needs the package peft, which is not installed "
                           "here: pip install 'colo_rl[lora]', or set trainer.lora.rank=0")
-    package = OPTIMIZER_PACKAGES[t.optimizer]
+    package = OPTIMIZER_PACKAGES[t.optim.name]
     if package and importlib.util.find_spec(package) is None:
-        raise ConfigError(f"trainer.optimizer={t.optimizer} needs the package {package}, which is not "
-                          f"installed here: pip install {package}, or use trainer.optimizer=adamw")
-    if t.optimizer == "adamw_bf16_sr" and not (settings.model.dtype == "bfloat16"
+        raise ConfigError(f"trainer.optim.name={t.optim.name} needs the package {package}, which is not "
+                          f"installed here: pip install {package}, or use trainer.optim.name=adamw")
+    if t.optim.name == "adamw_bf16_sr" and not (settings.model.dtype == "bfloat16"
                                                and trainer_precision(settings) == "pure"):
-        raise ConfigError(f"trainer.optimizer=adamw_bf16_sr rounds bf16 parameters stochastically, but "
-                          f"model.dtype={settings.model.dtype} and trainer.precision={t.precision}: set "
-                          "model.dtype=bfloat16 trainer.precision=pure, or use trainer.optimizer=adamw")
-    if t.optimizer == "adamw_8bit" and t.parallel == "fsdp":
-        raise ConfigError("trainer.optimizer=adamw_8bit does not take FSDP's sharded parameters: use "
-                          "trainer.optimizer=adamw with trainer.parallel=fsdp")
+        raise ConfigError(f"trainer.optim.name=adamw_bf16_sr rounds bf16 parameters stochastically, but "
+                          f"model.dtype={settings.model.dtype} and trainer.memory.precision={t.memory.precision}: set "
+                          "model.dtype=bfloat16 trainer.memory.precision=pure, or use trainer.optim.name=adamw")
+    if t.optim.name == "adamw_8bit" and t.parallel == "fsdp":
+        raise ConfigError("trainer.optim.name=adamw_8bit does not take FSDP's sharded parameters: use "
+                          "trainer.optim.name=adamw with trainer.parallel=fsdp")
 
 
 ENGINE_MODULES = ("vllm", "torch", "safetensors", "psutil", "hydra", "omegaconf")

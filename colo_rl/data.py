@@ -197,7 +197,7 @@ class PromptSampler:
 
     def load_state(self, state: dict) -> None:
         if (state["size"], state["seed"]) != (self.size, self.seed):
-            raise ConfigError(f"trainer.resume: the checkpoint's sampler walked {state['size']} prompts "
+            raise ConfigError(f"trainer.checkpoint.resume: the checkpoint's sampler walked {state['size']} prompts "
                               f"with task.seed={state['seed']}, this run has {self.size} with "
                               f"task.seed={self.seed}: resume with the same task settings")
         self.epoch, self.index = state["epoch"], state["index"]

@@ -12,6 +12,7 @@ import sys
 from typing import Any, Iterator
 
 from colo_rl.config import RunConfig, package_dir, register_configs
+from colo_rl.config_moves import OLD_KEYS
 
 HEADER = """# Config reference
 
@@ -23,8 +24,13 @@ descriptions there, not here. [configuration.md](configuration.md) tells what ea
 
 MOVED = """## Old -> new key names
 
-No key has moved yet: every key above is where it has always been. When keys are regrouped, each
-moved key gets a row here, and its old name is refused with one line naming the new one.
+The trainer's keys were grouped by concern: the algorithm (`trainer.algo.*`), the optimizer and its
+schedule (`trainer.optim.*`), where the trainer's state lives (`trainer.memory.*`), how the step
+computes (`trainer.perf.*`) and checkpoints (`trainer.checkpoint.*`). The keys typed every day
+(`trainer.steps`, `trainer.prompts_per_step`, `trainer.lr`, `trainer.micro_batch_size`,
+`trainer.lora.rank`) stayed. An old name, on the command line or in a YAML file, is refused with
+one line naming the new one; a checkpoint written before the move still resumes. The table is
+`colo_rl.config_moves.OLD_KEYS`.
 
 | old key | new key |
 |---|---|
@@ -88,7 +94,7 @@ def config_reference(defaults: dict | None = None) -> str:
                 for k in keys]
         parts.append(f"## {title}\n\n{_cell(doc)}\n\n| key | type | default | description |\n"
                      "|---|---|---|---|\n" + "\n".join(rows) + "\n")
-    parts.append(MOVED)
+    parts.append(MOVED + "".join(f"| `{old}` | `{new}` |\n" for old, new in OLD_KEYS.items()))
     return "\n".join(parts)
 
 

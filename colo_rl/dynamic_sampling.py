@@ -1,11 +1,11 @@
-"""DAPO's dynamic sampling (trainer.dynamic_sampling): a step trains only on groups whose rewards
+"""DAPO's dynamic sampling (trainer.algo.dynamic_sampling): a step trains only on groups whose rewards
 have a spread, filled from further prompts generated in the same wake of the engine.
 
 A group whose completions all got the same reward has zero advantage under every group
 estimator: it costs a forward and backward for no gradient. `DynamicSampler` is the Switch's
 `refill`: after each generate call of the wake it scores the round, keeps the groups with a
 spread, and asks for as many new prompts as groups are missing, until the step has
-trainer.prompts_per_step of them or trainer.dynamic_sampling.max_rounds calls were made (verl's
+trainer.prompts_per_step of them or trainer.algo.dynamic_sampling.max_rounds calls were made (verl's
 max_num_gen_batches). A step that reaches the bound short of groups is topped up with dropped
 groups (they add nothing to the gradient), so every step trains on prompts_per_step groups.
 """
@@ -62,7 +62,7 @@ class DynamicSampler:
         for group in self._groups(self.asked, rollouts):
             (self.kept if group.spread else self.dropped).append(group)
         target = self.settings.trainer.prompts_per_step
-        if len(self.kept) >= target or self.rounds >= self.settings.trainer.dynamic_sampling.max_rounds:
+        if len(self.kept) >= target or self.rounds >= self.settings.trainer.algo.dynamic_sampling.max_rounds:
             return None
         self.asked = self.task.next_batch(target - len(self.kept))
         return self.asked.prompt_ids, _round_seed(self.settings, self.step, self.rounds, len(self.asked))
@@ -108,8 +108,8 @@ class DynamicSampler:
 
 
 def dynamic_sampler(settings: RunConfig, task: Task, batch: Batch, step: int) -> DynamicSampler | None:
-    """The step's DynamicSampler with trainer.dynamic_sampling.enabled, else None."""
-    return DynamicSampler(settings, task, step, batch) if settings.trainer.dynamic_sampling.enabled else None
+    """The step's DynamicSampler with trainer.algo.dynamic_sampling.enabled, else None."""
+    return DynamicSampler(settings, task, step, batch) if settings.trainer.algo.dynamic_sampling.enabled else None
 
 
 def _round_seed(settings: RunConfig, step: int, round_index: int, count: int) -> int | list[int] | None:

@@ -10,7 +10,7 @@ of a hub model: its adapters are merged into the base from model.path). `--lora 
 a LoRA checkpoint as a peft adapter directory instead, for `peft.PeftModel.from_pretrained`.
 
 The dtype is the checkpoint's `model.dtype` (what the engine served) unless --dtype says
-otherwise; under trainer.precision=mixed the checkpoint holds fp32 masters, which
+otherwise; under trainer.memory.precision=mixed the checkpoint holds fp32 masters, which
 `--dtype float32` exports exactly.
 """
 
@@ -37,26 +37,26 @@ LORA_FORMS = ("merged", "adapter")
 
 
 def export_target(export_dir: str | None, output_dir: Path) -> Path:
-    """Where trainer.export_final writes: trainer.export_dir, or OUTPUT_DIR/export."""
+    """Where trainer.checkpoint.export writes: trainer.checkpoint.export_dir, or OUTPUT_DIR/export."""
     return Path(export_dir) if export_dir else output_dir / "export"
 
 
 def check_export_target(export_dir: str | None, output_dir: Path, resume: str | None = None) -> None:
-    """trainer.export_final's target, before the engine starts: nothing the user has is replaced.
+    """trainer.checkpoint.export's target, before the engine starts: nothing the user has is replaced.
     A target that exists and is not empty is refused (as `python -m colo_rl.export` refuses it),
     and so is one that is, or holds, the run directory, its checkpoint or the one it resumes from."""
     target = export_target(export_dir, output_dir).resolve()
-    key = f"trainer.export_dir={export_dir}" if export_dir else f"trainer.export_final (into {target})"
+    key = f"trainer.checkpoint.export_dir={export_dir}" if export_dir else f"trainer.checkpoint.export (into {target})"
     for name, kept in (("the run directory", output_dir), ("its checkpoint", output_dir / "checkpoint"),
-                       ("trainer.resume", Path(resume) if resume else None)):
+                       ("trainer.checkpoint.resume", Path(resume) if resume else None)):
         if kept is not None and (target == kept.resolve() or target in kept.resolve().parents):
             raise ConfigError(f"{key}: is or holds {name} ({kept}), which the export would replace. "
-                              "Give trainer.export_dir a new directory of its own")
+                              "Give trainer.checkpoint.export_dir a new directory of its own")
     if target.is_dir() and any(target.iterdir()):
         raise ConfigError(f"{key}: {target} exists and is not empty, and the export would replace it. "
-                          "Give trainer.export_dir a new directory, or remove that one")
+                          "Give trainer.checkpoint.export_dir a new directory, or remove that one")
     if target.exists() and not target.is_dir():
-        raise ConfigError(f"{key}: {target} is a file. Give trainer.export_dir a directory")
+        raise ConfigError(f"{key}: {target} is a file. Give trainer.checkpoint.export_dir a directory")
 
 
 def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, *, dtype: str | None = None,

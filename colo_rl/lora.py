@@ -59,7 +59,7 @@ def check_targets(model_dir, cfg: LoraConfig, trust_remote_code: bool = False) -
 
 def apply_lora(model: torch.nn.Module, cfg: LoraConfig, adapter_dtype: torch.dtype) -> torch.nn.Module:
     """`model` with LoRA adapters (peft) on the targeted layers: the adapters trainable, in
-    `adapter_dtype` (fp32 under trainer.precision=mixed), every other weight frozen as it was."""
+    `adapter_dtype` (fp32 under trainer.memory.precision=mixed), every other weight frozen as it was."""
     import peft
 
     config = peft.LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,

@@ -166,7 +166,7 @@ class MetricsLogger:
 def step_metrics(rollout, train_metrics: dict[str, float], trainer, switch, peak: float | None,
                  reward_metrics: dict[str, float]) -> dict[str, float]:
     """A step's record: the rollout's and the switch's metrics, the phases' seconds, the update's
-    train/*, perf/* (over `peak` TFLOP/s, trainer.peak_tflops), the host's resources, the step's
+    train/*, perf/* (over `peak` TFLOP/s, trainer.perf.peak_tflops), the host's resources, the step's
     time and the switch's share of it, and its rewards (each function's in `reward_metrics`).
     `rollout` is the step's StepRollout (colo_rl/rollout.py), `trainer` its GRPOTrainer."""
     timer = rollout.timer

@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 
 from colo_rl.config import ConfigError, ModelConfig
 
-# transformers imports torchao (when installed, for trainer.optimizer=adamw_bf16_sr) as it loads
+# transformers imports torchao (when installed, for trainer.optim.name=adamw_bf16_sr) as it loads
 # any model; torchao then warns about its CUDA kernels on a CPU machine and torch about its pytree
 # enums: noise before the first line a user reads, about nothing colo_rl uses.
 for _noisy in ("torchao", "torch.utils._pytree"):

@@ -1,6 +1,6 @@
 """The GPU memory plan, made at start-up before the engine starts: what each part of the time-share
 takes, where it lives while the engine is awake and while the trainer trains, and from it
-`trainer.offload=auto` (none | optimizer | all) and `generator.gpu_memory_utilization=auto`.
+`trainer.memory.offload=auto` (none | optimizer | all) and `generator.gpu_memory_utilization=auto`.
 
 Everything is arithmetic on the model's config (no model is built), the trainer's precision and
 optimizer, LoRA, the micro-batch and sequence length, and the device's free and total memory
@@ -64,16 +64,16 @@ CALIBRATION: dict[str, Fitted] = {
         4, "activation elements per token per decoder layer, per unit of intermediate", "-", "H200",
         "as ACT_HIDDEN (48 x hidden in all on the 1B shape, whose intermediate is 4 x hidden)"),
     "LIGER_ACTIVATION_FACTOR": Fitted(
-        0.58, "decoder activations under trainer.kernels=liger over the eager model's (fewer, smaller "
+        0.58, "decoder activations under trainer.perf.kernels=liger over the eager model's (fewer, smaller "
         "intermediates)", "-", "H100", "2026-12-06c: 0.57 at micro-batch 16, 0.55 at 32"),
     "BF16_ACTIVATION_FACTOR": Fitted(
-        0.91, "decoder activations under trainer.fp32_activations=false over autocast's (bf16 between "
+        0.91, "decoder activations under trainer.memory.fp32_activations=false over autocast's (bf16 between "
         "the matmuls)", "-", "H100", "2026-12-06e: 0.92 at micro-batch 16, 0.90 at 32"),
     "LOGITS_COPIES": Fitted(
         1.25, "b x T x vocab fp32 tensors the unchunked loss holds at once (logits, log-softmax, their "
         "gradient)", "-", "H200", "the two trainer peaks of the 1B shape"),
     "CHUNK_LOGITS_COPIES": Fitted(
-        2.0, "one chunk's fp32 logits and their gradient at once (trainer.logprob_chunk > 0)", "-", "-",
+        2.0, "one chunk's fp32 logits and their gradient at once (trainer.perf.logprob_chunk > 0)", "-", "-",
         "a reserve: the chunk's logits and gradient, not fitted"),
     "MARGIN_FRACTION": Fitted(0.05, "share of the free memory the plan keeps free", "-", "-", "a choice"),
     "MARGIN_MIN_GIB": Fitted(1.0, "GiB the plan keeps free at least", "-", "-", "a choice"),
@@ -195,7 +195,7 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     # what must be free on the device for the engine to wake (its budget, what it holds beyond it,
     # the least margin): the Offloader keeps torch's cache when at least this much is free; 0 with
-    # trainer.keep_cache off, where the cache is always emptied
+    # trainer.memory.keep_cache off, where the cache is always emptied
     engine_wake_bytes: float = 0.0
     reasons: dict[str, str] = field(default_factory=dict)  # why each key the config left to the plan got its value
 
@@ -211,12 +211,12 @@ class Plan:
         else:
             head = (f"memory plan: device {self.total_gib:.1f} GiB, {self.free_gib:.1f} GiB free before the "
                     f"engine, margin {self.margin_gib:.1f} GiB")
-        tail = [f"trainer.offload -> {self.offload}" + self._why("trainer.offload"),
+        tail = [f"trainer.memory.offload -> {self.offload}" + self._why("trainer.memory.offload"),
                 f"generator.gpu_memory_utilization -> {self.gpu_memory_utilization:.3f}"
                 + self._why("generator.gpu_memory_utilization"),
                 f"trainer.micro_batch_size -> {self.micro_batch_size}" + self._why("trainer.micro_batch_size"),
-                f"trainer.logprob_recompute -> {str(self.logprob_recompute).lower()}"
-                + self._why("trainer.logprob_recompute")]
+                f"trainer.memory.logprob_recompute -> {str(self.logprob_recompute).lower()}"
+                + self._why("trainer.memory.logprob_recompute")]
         tail += [f"predicted {k}: {v:.2f} GiB" for k, v in self.predicted.items()]
         return "\n".join([head, *lines, *tail, *self.notes])
 
@@ -258,8 +258,8 @@ def sizes(settings: RunConfig, shape: Shape, seq_len: int, *, cuda: bool, micro_
     t = settings.trainer
     micro_batch = micro_batch or micro_batch_size(t)
     recompute = logprob_recompute(t) if recompute is None else recompute
-    checkpointing = t.gradient_checkpointing if checkpointing is None else checkpointing
-    optimizer = optimizer or t.optimizer
+    checkpointing = t.memory.gradient_checkpointing if checkpointing is None else checkpointing
+    optimizer = optimizer or t.optim.name
     mixed = trainer_precision(settings) == "mixed"
     engine_b = DTYPE_BYTES[settings.model.dtype]
     train_b = 4 if mixed else engine_b
@@ -281,20 +281,20 @@ def sizes(settings: RunConfig, shape: Shape, seq_len: int, *, cuda: bool, micro_
         layers = shape.layers * tokens * shape.hidden * act_b + per_layer
     else:
         layers = shape.layers * per_layer
-    if t.kernels == "liger" and cuda:  # resolved by run.py before the plan (auto counts as eager)
+    if t.perf.kernels == "liger" and cuda:  # resolved by run.py before the plan (auto counts as eager)
         layers *= LIGER_ACTIVATION_FACTOR
-    if weight_copies(mixed and cuda, t.parallel != "none", t.compile, lora, t.fp32_activations) == "all":
+    if weight_copies(mixed and cuda, t.parallel != "none", t.perf.compile, lora, t.memory.fp32_activations) == "all":
         layers *= BF16_ACTIVATION_FACTOR
-    if t.logprob_chunk:
+    if t.perf.logprob_chunk:
         responses = micro_batch * settings.sampling.max_tokens
-        logits = (CHUNK_LOGITS_COPIES * min(t.logprob_chunk, responses) * shape.vocab * 4
+        logits = (CHUNK_LOGITS_COPIES * min(t.perf.logprob_chunk, responses) * shape.vocab * 4
                   + responses * shape.hidden * act_b)  # the gathered final states
-        if t.fused_head and not recompute:  # every response position's logits, kept for backward
+        if t.perf.fused_head and not recompute:  # every response position's logits, kept for backward
             logits += responses * shape.vocab * act_b
     else:
         logits = LOGITS_COPIES * tokens * shape.vocab * 4
     return _Sizes(weights=weights, grads=trainable * train_b, optimizer=trainable * state_b,
-                  reference=total * train_b if t.kl_coef > 0 and not lora else 0.0,
+                  reference=total * train_b if t.algo.kl_coef > 0 and not lora else 0.0,
                   push_copy=push_copy,
                   autocast=trainable * engine_b if (mixed and cuda and not lora) else 0.0,
                   activations=layers + logits, engine_weights=total * engine_b,
@@ -312,7 +312,7 @@ def plan_memory(settings: RunConfig, shape: Shape, seq_len: int,
     cuda = device_memory is not None
     micro_batch, micro_reason = _micro_batch(settings, shape, seq_len, device_memory, engine_on_device)
     recompute, recompute_reason = _recompute(settings, shape, seq_len, device_memory, engine_on_device, micro_batch)
-    reasons = {"trainer.micro_batch_size": micro_reason, "trainer.logprob_recompute": recompute_reason}
+    reasons = {"trainer.micro_batch_size": micro_reason, "trainer.memory.logprob_recompute": recompute_reason}
     s = sizes(settings, shape, seq_len, cuda=cuda, micro_batch=micro_batch, recompute=recompute)
     asleep = ENGINE_ASLEEP_GIB * GIB if cuda else 0.0
     components = _components(settings, s, micro_batch, seq_len, recompute)
@@ -326,9 +326,9 @@ def plan_memory(settings: RunConfig, shape: Shape, seq_len: int,
         _place(components, "none")
         if s.trainer_peak() > training_room:
             raise ConfigError(_refusal(settings, shape, seq_len, s, training_room, free, 0, micro_batch))
-        return Plan("none" if t.offload == "auto" else t.offload, 0.5 if g.gpu_memory_utilization == "auto"
+        return Plan("none" if t.memory.offload == "auto" else t.memory.offload, 0.5 if g.gpu_memory_utilization == "auto"
                     else float(g.gpu_memory_utilization), components, micro_batch, recompute, total_gib=total / GIB,
-                    free_gib=free / GIB, reasons={**reasons, "trainer.offload": "generator.device=cpu: the trainer "
+                    free_gib=free / GIB, reasons={**reasons, "trainer.memory.offload": "generator.device=cpu: the trainer "
                                                   "keeps the GPU", "generator.gpu_memory_utilization": "unused: "
                                                   "generator.device=cpu"},
                     notes=["generator.device=cpu: the engine takes none of the GPU, the trainer stays on it"])
@@ -349,10 +349,10 @@ def plan_memory(settings: RunConfig, shape: Shape, seq_len: int,
     resident = s.awake_resident(chosen)
     wake = util * total + beyond + MARGIN_MIN_GIB * GIB
     # After a train step torch's allocator holds about the step's peak; where the engine can wake
-    # beside that too, and trainer.keep_cache asks for it, the Offloader keeps it
+    # beside that too, and trainer.memory.keep_cache asks for it, the Offloader keeps it
     # (Offloader.keep_cache_if_free) and so does the plan.
     cached = s.trainer_peak() * (1 + RESIDENT_SLACK_FRACTION)
-    keep_cache = t.keep_cache and free - TRAINER_CONTEXT_GIB * GIB - cached - asleep >= wake
+    keep_cache = t.memory.keep_cache and free - TRAINER_CONTEXT_GIB * GIB - cached - asleep >= wake
     if keep_cache:
         resident = max(resident, cached)
     components.append(Component("engine KV cache", kv, "GPU", "-"))
@@ -369,16 +369,16 @@ def plan_memory(settings: RunConfig, shape: Shape, seq_len: int,
         # free device memory with the engine awake (memory/free_after_wake_kv_gib)
         "free_after_wake_kv": free_awake(free, total, resident, util) / GIB,
     }
-    reasons.update({"trainer.offload": offload_reason, "generator.gpu_memory_utilization": budget_reason})
+    reasons.update({"trainer.memory.offload": offload_reason, "generator.gpu_memory_utilization": budget_reason})
     notes = []
-    if t.offload == "auto":
+    if t.memory.offload == "auto":
         notes.append(f"offload=auto: {chosen} is the least offload with the awake engine's "
                      f"{util * total / GIB:.1f} GiB, the trainer's {resident / GIB:.1f} GiB and the margin on the device")
     return Plan(chosen, util, components, micro_batch, recompute, reasons=reasons, total_gib=total / GIB,
                 free_gib=free / GIB,
                 margin_gib=margin / GIB,
                 predicted=predicted, notes=notes,
-                engine_wake_bytes=wake if t.keep_cache else 0.0)
+                engine_wake_bytes=wake if t.memory.keep_cache else 0.0)
 
 
 def _components(settings: RunConfig, s: _Sizes, micro_batch: int, seq_len: int, recompute: bool) -> list[Component]:
@@ -388,15 +388,15 @@ def _components(settings: RunConfig, s: _Sizes, micro_batch: int, seq_len: int, 
         Component("trainer weights" + (" (fp32 masters)" if trainer_precision(settings) == "mixed" else ""),
                   s.weights, "", "GPU"),
         Component("gradients", s.grads, "-", "GPU"),
-        Component(f"optimizer state ({t.optimizer})", s.optimizer, "", "GPU"),
+        Component(f"optimizer state ({t.optim.name})", s.optimizer, "", "GPU"),
     ]
     if s.reference:
         components.append(Component("reference policy (kl_coef)", s.reference, "GPU", "GPU"))
     if s.autocast:
         components.append(Component(f"autocast {settings.model.dtype} weight copies", s.autocast, "-", "GPU"))
     components.append(Component(f"activations ({micro_batch} x {seq_len} tokens"
-                                + (", checkpointed" if t.gradient_checkpointing else "")
-                                + (", head's logits kept" if t.fused_head and t.logprob_chunk and not recompute else "")
+                                + (", checkpointed" if t.memory.gradient_checkpointing else "")
+                                + (", head's logits kept" if t.perf.fused_head and t.perf.logprob_chunk and not recompute else "")
                                 + ")",
                                 s.activations, "-", "GPU"))
     if s.push_copy:
@@ -409,13 +409,13 @@ def _host_plan(settings: RunConfig, components: list[Component], micro_batch: in
                reasons: dict[str, str]) -> Plan:
     """A CPU run: no GPU memory to plan; everything lives in host memory."""
     t, g = settings.trainer, settings.generator
-    offload = CPU_OFFLOAD if t.offload == "auto" else t.offload
+    offload = CPU_OFFLOAD if t.memory.offload == "auto" else t.memory.offload
     util = g.gpu_memory_utilization if g.gpu_memory_utilization != "auto" else 0.5
     _place(components, offload)
     for c in components:  # no GPU: whatever lives anywhere lives in host memory
         c.awake, c.training = (_on_host(where) for where in (c.awake, c.training))
-    reasons.update({"trainer.offload": "a CPU run: no GPU memory to plan, everything leaves as before auto"
-                    if t.offload == "auto" else "as given",
+    reasons.update({"trainer.memory.offload": "a CPU run: no GPU memory to plan, everything leaves as before auto"
+                    if t.memory.offload == "auto" else "as given",
                     "generator.gpu_memory_utilization": "a CPU run: the engine's KV cache is "
                     "generator.cpu_kvcache_gib" if g.gpu_memory_utilization == "auto" else "as given"})
     return Plan(offload, float(util), components, micro_batch, recompute, reasons=reasons,
@@ -424,7 +424,7 @@ def _host_plan(settings: RunConfig, components: list[Component], micro_batch: in
 
 def _offload_and_budget(settings: RunConfig, s: _Sizes, free: float, total: float, room: float, margin: float,
                         asleep: float) -> tuple[tuple[str, str], tuple[float, str]]:
-    """trainer.offload and the engine's budget in bytes (generator.gpu_memory_utilization x total),
+    """trainer.memory.offload and the engine's budget in bytes (generator.gpu_memory_utilization x total),
     each with its reason: the least offload whose trainer, pushed weights and awake engine fit in
     `room` bytes, with the budget that holds every sequence's KV cache (auto) or the one given;
     where none does under auto, the most offload and what is left. Raises ConfigError naming what to
@@ -445,7 +445,7 @@ def _offload_and_budget(settings: RunConfig, s: _Sizes, free: float, total: floa
             f"the trainer's weights take {(s.weights + s.reference) / GIB:.1f} GiB then: use "
             f"generator.gpu_memory_utilization={max(0.001, int(start_room / total * 1000) / 1000)} or auto")
     engine_want = min(engine_want, start_room)
-    choices = OFFLOAD_CHOICES if t.offload == "auto" else (t.offload,)
+    choices = OFFLOAD_CHOICES if t.memory.offload == "auto" else (t.memory.offload,)
     chosen = budget = None
     for offload in choices:
         resident = s.awake_resident(offload)
@@ -475,19 +475,19 @@ def _offload_and_budget(settings: RunConfig, s: _Sizes, free: float, total: floa
             raise ConfigError(
                 f"generator.gpu_memory_utilization={g.gpu_memory_utilization} gives the engine "
                 f"{g.gpu_memory_utilization * total / GIB:.1f} GiB, but {free / GIB:.1f} GiB are free and the trainer "
-                f"keeps {s.awake_resident(most) / GIB:.1f} GiB beside the awake engine with trainer.offload={most} "
+                f"keeps {s.awake_resident(most) / GIB:.1f} GiB beside the awake engine with trainer.memory.offload={most} "
                 f"(margin {margin / GIB:.1f} GiB): use generator.gpu_memory_utilization={int(fits * 1000) / 1000} "
-                "or auto" + ("" if t.offload == "auto" else ", or trainer.offload=auto"))
+                "or auto" + ("" if t.memory.offload == "auto" else ", or trainer.memory.offload=auto"))
         raise ConfigError(
             f"generator.max_model_len={g.max_model_len}: the engine needs {engine_min / GIB:.1f} GiB awake "
             f"(weights {s.engine_weights / GIB:.1f} GiB + one sequence's KV cache) but only "
             f"{(room - s.awake_resident(most) - beyond) / GIB:.1f} GiB are left beside the trainer with "
-            f"trainer.offload={most} on a device with {free / GIB:.1f} GiB free: "
-            + ("use trainer.offload=auto" if t.offload != "auto" else
+            f"trainer.memory.offload={most} on a device with {free / GIB:.1f} GiB free: "
+            + ("use trainer.memory.offload=auto" if t.memory.offload != "auto" else
                "lower generator.max_model_len, use a 16-bit model.dtype or a GPU with more memory"))
     offload_reason = (f"the least offload with the awake engine's {budget / GIB:.1f} GiB, the trainer's "
                       f"{s.awake_resident(chosen) / GIB:.1f} GiB and the margin on the device"
-                      if t.offload == "auto" else "as given")
+                      if t.memory.offload == "auto" else "as given")
     budget_reason = (("every sequence's KV cache beside the trainer" if budget == engine_want else
                       "what is left beside the trainer (vLLM queues the sequences that do not fit)")
                      if g.gpu_memory_utilization == "auto" else "as given")
@@ -533,16 +533,16 @@ def _fits_with_headroom(s: _Sizes, room: float) -> bool:
 
 def _recompute(settings: RunConfig, shape: Shape, seq_len: int, device_memory: tuple[int, int] | None,
                engine_on_device: bool, micro_batch: int) -> tuple[bool, str]:
-    """trainer.logprob_recompute with auto resolved, and why: on a GPU, with the fused chunked head and no
+    """trainer.memory.logprob_recompute with auto resolved, and why: on a GPU, with the fused chunked head and no
     trainer.parallel, keep the head's logits (false) where the trainer's peak with them, and
     AUTO_ACTIVATION_HEADROOM of its activations on top, still fits beside the sleeping engine at
     the micro-batch already chosen; else recompute (true)."""
     t = settings.trainer
-    if t.logprob_recompute != "auto":
-        return bool(t.logprob_recompute), "as given"
-    if device_memory is None or t.parallel != "none" or not t.fused_head or not t.logprob_chunk:
+    if t.memory.logprob_recompute != "auto":
+        return bool(t.memory.logprob_recompute), "as given"
+    if device_memory is None or t.parallel != "none" or not t.perf.fused_head or not t.perf.logprob_chunk:
         return True, ("nothing planned (no GPU, or trainer.parallel)" if device_memory is None or t.parallel != "none"
-                      else "needs trainer.fused_head and trainer.logprob_chunk")
+                      else "needs trainer.perf.fused_head and trainer.perf.logprob_chunk")
     kept = sizes(settings, shape, seq_len, cuda=True, micro_batch=micro_batch, recompute=False)
     if _fits_with_headroom(kept, _training_room(device_memory[0], engine_on_device)):
         return False, f"the head's logits fit beside micro-batch {micro_batch}: kept for backward"
@@ -591,15 +591,15 @@ def _refusal(settings: RunConfig, shape: Shape, seq_len: int, s: _Sizes, room: f
     if b:
         return head + (f"trainer.micro_batch_size={micro_batch} needs ~{s.activations / GIB:.1f} GiB "
                        f"of activations; {b} fits")
-    if not t.gradient_checkpointing:
+    if not t.memory.gradient_checkpointing:
         if fits(checkpointing=True):
-            return head + "use trainer.gradient_checkpointing=true"
+            return head + "use trainer.memory.gradient_checkpointing=true"
         b = largest_micro_batch(checkpointing=True)
         if b:
-            return head + f"use trainer.gradient_checkpointing=true with trainer.micro_batch_size={b}"
-    if t.optimizer == "adamw" and fits(optimizer="adamw_8bit", micro_batch=1, checkpointing=True):
-        return head + ("use trainer.optimizer=adamw_8bit (2 bytes of optimizer state per parameter), "
-                       "with trainer.gradient_checkpointing=true and a smaller trainer.micro_batch_size if needed")
+            return head + f"use trainer.memory.gradient_checkpointing=true with trainer.micro_batch_size={b}"
+    if t.optim.name == "adamw" and fits(optimizer="adamw_8bit", micro_batch=1, checkpointing=True):
+        return head + ("use trainer.optim.name=adamw_8bit (2 bytes of optimizer state per parameter), "
+                       "with trainer.memory.gradient_checkpointing=true and a smaller trainer.micro_batch_size if needed")
     if not t.lora.rank:
         return head + "use trainer.lora.rank=16 (LoRA: gradients and optimizer state for the adapters only)"
     return head + "use a smaller model or a GPU with more memory"
@@ -630,7 +630,7 @@ def device_memory(device: str) -> tuple[int, int] | None:
 
 def plan_run(settings: RunConfig, model_dir: Path, device: str, task=None,
              memory: tuple[int, int] | None = None, show: bool = True) -> Plan:
-    """Plans the run and writes the resolved choices into `settings` (trainer.offload,
+    """Plans the run and writes the resolved choices into `settings` (trainer.memory.offload,
     generator.gpu_memory_utilization); prints the table when `show`."""
     from colo_rl.config import resolve_device
 
@@ -639,24 +639,24 @@ def plan_run(settings: RunConfig, model_dir: Path, device: str, task=None,
     except (AttributeError, TypeError, ValueError) as exc:
         # not a dense decoder this planner knows (its config lacks a field): plan nothing, as before auto
         t, g = settings.trainer, settings.generator
-        t.offload = "all" if t.offload == "auto" else t.offload
+        t.memory.offload = "all" if t.memory.offload == "auto" else t.memory.offload
         g.gpu_memory_utilization = 0.5 if g.gpu_memory_utilization == "auto" else g.gpu_memory_utilization
         t.micro_batch_size = micro_batch_size(t)
-        t.logprob_recompute = logprob_recompute(t)
-        log.warning("no memory plan for %s (%s): trainer.offload=%s, generator.gpu_memory_utilization=%s, "
-                    "trainer.micro_batch_size=%s", model_dir, exc, t.offload, g.gpu_memory_utilization,
+        t.memory.logprob_recompute = logprob_recompute(t)
+        log.warning("no memory plan for %s (%s): trainer.memory.offload=%s, generator.gpu_memory_utilization=%s, "
+                    "trainer.micro_batch_size=%s", model_dir, exc, t.memory.offload, g.gpu_memory_utilization,
                     t.micro_batch_size)
-        return Plan(t.offload, float(g.gpu_memory_utilization), [], t.micro_batch_size, t.logprob_recompute,
+        return Plan(t.memory.offload, float(g.gpu_memory_utilization), [], t.micro_batch_size, t.memory.logprob_recompute,
                     reasons={key: f"no memory plan for this model ({exc}): the default" for key in (
-                        "trainer.offload", "generator.gpu_memory_utilization", "trainer.micro_batch_size",
-                        "trainer.logprob_recompute")})
+                        "trainer.memory.offload", "generator.gpu_memory_utilization", "trainer.micro_batch_size",
+                        "trainer.memory.logprob_recompute")})
     plan = plan_memory(settings, shape, sequence_length(settings, task),
                        memory if memory is not None else device_memory(device),
                        engine_on_device=resolve_device(settings.generator.device) != "cpu")
-    settings.trainer.offload = plan.offload
+    settings.trainer.memory.offload = plan.offload
     settings.generator.gpu_memory_utilization = plan.gpu_memory_utilization
     settings.trainer.micro_batch_size = plan.micro_batch_size
-    settings.trainer.logprob_recompute = plan.logprob_recompute
+    settings.trainer.memory.logprob_recompute = plan.logprob_recompute
     if show:
         print(plan.table(), flush=True)
     return plan

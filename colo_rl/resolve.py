@@ -26,8 +26,8 @@ from colo_rl.trainer.kernels import check_kernels
 
 RESOLVED_FILE = "resolved.yaml"
 # decided by the memory plan, whose table prints them with their reasons
-PLAN_KEYS = ("trainer.offload", "generator.gpu_memory_utilization", "trainer.micro_batch_size",
-             "trainer.logprob_recompute")
+PLAN_KEYS = ("trainer.memory.offload", "generator.gpu_memory_utilization", "trainer.micro_batch_size",
+             "trainer.memory.logprob_recompute")
 
 
 @dataclass(frozen=True)
@@ -80,25 +80,27 @@ def resolve_settings(settings: RunConfig, *, model_dir: Path, device: str, task=
     decisions = [_device("trainer.device", settings.trainer.device),
                  _device("generator.device", settings.generator.device),
                  _precision(settings)]
-    t.device, g.device, t.precision = (d.value for d in decisions)
-    kernels = check_kernels(t.kernels, device, model_dir, resolved.model.trust_remote_code, t.compile)
-    decisions.append(Decision("trainer.kernels", kernels, _kernels_reason(settings.trainer.kernels, kernels)))
-    t.kernels = kernels
-    decisions.append(_logprob_kernel(t.logprob_kernel, device))
-    t.logprob_kernel = decisions[-1].value
+    t.device, g.device, t.memory.precision = (d.value for d in decisions)
+    kernels = check_kernels(t.perf.kernels, device, model_dir, resolved.model.trust_remote_code, t.perf.compile)
+    decisions.append(Decision("trainer.perf.kernels", kernels, _kernels_reason(settings.trainer.perf.kernels, kernels)))
+    t.perf.kernels = kernels
+    decisions.append(_logprob_kernel(t.perf.logprob_kernel, device))
+    t.perf.logprob_kernel = decisions[-1].value
     # the plan resolves its four keys in the copy it is given
     plan = plan_run(resolved, model_dir, device, task, memory=memory, show=False)
     decisions += [Decision(key, _value(resolved, key), plan.reasons.get(key, "as given")) for key in PLAN_KEYS]
     decisions += [_weight_sync(g.weight_sync, g.device), _staging_dir(g.staging_dir),
-                  _logprobs_every(s.logprobs_every, t.tis_cap), _logger_mode(resolved.logger.mode)]
+                  _logprobs_every(s.logprobs_every, t.algo.tis_cap), _logger_mode(resolved.logger.mode)]
     g.weight_sync, g.staging_dir, s.logprobs_every, resolved.logger.mode = (d.value for d in decisions[-4:])
     asked = {d.key for d in decisions if _was_auto(settings, d.key)}
     return Resolved(freeze(resolved), tuple(d for d in decisions if d.key in asked), plan)
 
 
 def _value(settings: RunConfig, key: str) -> Any:
-    group, name = key.split(".")
-    return getattr(getattr(settings, group), name)
+    node = settings
+    for part in key.split("."):
+        node = getattr(node, part)
+    return node
 
 
 def _was_auto(settings: RunConfig, key: str) -> bool:
@@ -112,7 +114,7 @@ def _device(key: str, requested: str) -> Decision:
 
 def _precision(settings: RunConfig) -> Decision:
     value = trainer_precision(settings)
-    return Decision("trainer.precision", value,
+    return Decision("trainer.memory.precision", value,
                     f"model.dtype={settings.model.dtype}: " + ("fp32 masters beside 16-bit compute" if value == "mixed"
                                                               else "the parameters' own dtype throughout"))
 
@@ -120,15 +122,15 @@ def _precision(settings: RunConfig) -> Decision:
 def _kernels_reason(requested: str, value: str) -> str:
     if requested != "auto":
         return "as given"
-    return ("a CUDA trainer, liger-kernel installed, a model type it knows, trainer.compile off" if value == "liger"
-            else "Liger's kernels need a CUDA trainer, liger-kernel, a model type it knows and trainer.compile off")
+    return ("a CUDA trainer, liger-kernel installed, a model type it knows, trainer.perf.compile off" if value == "liger"
+            else "Liger's kernels need a CUDA trainer, liger-kernel, a model type it knows and trainer.perf.compile off")
 
 
 def _logprob_kernel(requested: str, device: str) -> Decision:
     if requested != "auto":
-        return Decision("trainer.logprob_kernel", requested, "as given")
+        return Decision("trainer.perf.logprob_kernel", requested, "as given")
     cuda = device.startswith("cuda")
-    return Decision("trainer.logprob_kernel", "compiled" if cuda else "eager",
+    return Decision("trainer.perf.logprob_kernel", "compiled" if cuda else "eager",
                     "a CUDA trainer: the head's chunks compiled" if cuda else "off CUDA: eager")
 
 
@@ -154,7 +156,7 @@ def _logprobs_every(requested: int | None, tis_cap: float | None) -> Decision:
         return Decision("sampling.logprobs_every", requested, "as given")
     every = 1 if tis_cap is not None else 10
     return Decision("sampling.logprobs_every", every,
-                    "trainer.tis_cap needs the engine's log-probs on every step" if every == 1 else
+                    "trainer.algo.tis_cap needs the engine's log-probs on every step" if every == 1 else
                     "train/engine_logprob_gap every 10 steps; the others sample at full speed")
 
 

@@ -57,7 +57,7 @@ class SingleTurnRollout:
         evaluating = task.held_out is not None and step % e.every == 0
         eval_batch = eval_shard(task, par) if evaluating else None
         self.logger.phase("generate")
-        sampler = dynamic_sampler(settings, task, batch, step)  # None unless trainer.dynamic_sampling.enabled
+        sampler = dynamic_sampler(settings, task, batch, step)  # None unless trainer.algo.dynamic_sampling.enabled
         rollouts = self.switch.generate(
             batch.prompt_ids, step_sampling(settings, step), seed=seed, step=step,
             eval_batch=(eval_batch.prompt_ids, eval_sampling(settings)) if evaluating else None,
@@ -96,13 +96,13 @@ def prompt_seeds(sampling_seed: int | None, step: int, num_prompts: int, n: int)
 
 def logprobs_due(settings: RunConfig, step: int) -> bool:
     """Whether step `step` asks the engine for sampled-token log-probs: every step with
-    trainer.tis_cap (its importance weights need them), else steps 0, K, 2K... of
+    trainer.algo.tis_cap (its importance weights need them), else steps 0, K, 2K... of
     sampling.logprobs_every=K (null: 10), which log train/engine_logprob_gap. The loss without
     TIS does not read them, so the other steps train identically, at the engine's full speed."""
     s = settings.sampling
     if not s.logprobs:
         return False
-    every = s.logprobs_every or (1 if settings.trainer.tis_cap is not None else 10)
+    every = s.logprobs_every or (1 if settings.trainer.algo.tis_cap is not None else 10)
     return step % every == 0
 
 
@@ -161,9 +161,9 @@ def final_evaluation(step: int, settings: RunConfig, task: Task, switch: Switch,
 def sample_rows(step: int, batch: Batch, texts: list[str], rewards: list[float],
                 values: dict[str, list], settings: RunConfig, completion_ids: list[list[int]]) -> list[dict]:
     """The first logger.log_completions completions of the step, each with its prompt, every
-    reward function's value, the weighted reward and its advantage (trainer.advantage_estimator)."""
+    reward function's value, the weighted reward and its advantage (trainer.algo.advantage_estimator)."""
     n, count = settings.sampling.n, settings.logger.log_completions
-    estimator = load_estimator(settings.trainer.advantage_estimator)
+    estimator = load_estimator(settings.trainer.algo.advantage_estimator)
     advantages = estimator(torch.tensor(rewards, dtype=torch.float64), n,
                            lengths=torch.tensor([len(c) for c in completion_ids]), cfg=settings.trainer).tolist()
     prompts, _ = batch.repeated(n)

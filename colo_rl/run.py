@@ -11,6 +11,9 @@ from __future__ import annotations
 import sys
 
 if __name__ == "__main__":  # torch, transformers and the rest take seconds to import: say so first
+    from colo_rl.cli import refuse_moved_keys
+
+    refuse_moved_keys(sys.argv[1:])  # a key of the old trainer layout: its new place, at once
     print("colo_rl: starting (importing torch, transformers, Hydra)", flush=True)  # stderr: errors only
     # ...and start the engine's worker first: it imports vLLM while this process imports torch
     from colo_rl.generator.process import prespawn
@@ -144,7 +147,7 @@ class Run:
                 with self.closing:
                     parts = self.setup()
                     self.train(parts)
-                if t.export_final and par.is_main:
+                if t.checkpoint.export and par.is_main:
                     self.export()
                 return self.report(parts)
         finally:
@@ -176,12 +179,12 @@ class Run:
         settings, par, stages = self.settings, self.par, self.stages
         t, s = settings.trainer, settings.sampling
         self.composed = OmegaConf.to_container(self.cfg, resolve=True)
-        if t.resume:  # before any model is built: a config the checkpoint does not fit stops here
-            check_compatible(t.resume, self.composed)
+        if t.checkpoint.resume:  # before any model is built: a config the checkpoint does not fit stops here
+            check_compatible(t.checkpoint.resume, self.composed)
         if par.is_main:  # nothing the user has is replaced: another run's checkpoint, an export target
-            claim(self.output_dir, self.cfg, t.resume, settings.overwrite_output_dir)
-            if t.export_final:
-                check_export_target(t.export_dir, self.output_dir, t.resume)
+            claim(self.output_dir, self.cfg, t.checkpoint.resume, settings.overwrite_output_dir)
+            if t.checkpoint.export:
+                check_export_target(t.checkpoint.export_dir, self.output_dir, t.checkpoint.resume)
         self.device = device = par.device(resolve_device(t.device))
         par.shard(range(t.prompts_per_step))  # fails now, naming the key, if they do not split
         # every rank writes into rank 0's directory (Hydra names one per process, by the clock)
@@ -203,11 +206,11 @@ class Run:
             self.resolved.write(output_dir)
         if t.lora.rank > 0:  # LoRA's target modules against the model's linear layers
             check_targets(model_dir, t.lora, settings.model.trust_remote_code)
-        if t.resume:  # its files' checksums and step count too, before the engine is spawned: a
+        if t.checkpoint.resume:  # its files' checksums and step count too, before the engine is spawned: a
             # damaged checkpoint or one with no steps left to do stops here
-            done_steps = verify_checkpoint(t.resume).get("step", 0)
+            done_steps = verify_checkpoint(t.checkpoint.resume).get("step", 0)
             if done_steps >= t.steps:
-                raise ConfigError(f"trainer.resume={t.resume} holds a run that already did {done_steps} "
+                raise ConfigError(f"trainer.checkpoint.resume={t.checkpoint.resume} holds a run that already did {done_steps} "
                                   f"steps, so trainer.steps={t.steps} leaves none to do: raise trainer.steps "
                                   f"above {done_steps}")
         if s.n == 1:
@@ -294,7 +297,7 @@ class Run:
                 policy = load_trainer_policy(settings, model_dir, device)
             trainer, offloader, start_step = _build_trainer(settings, policy.to(device), device, self.par,
                                                             self.tokenizer, task, stages)
-            if plan.engine_wake_bytes:  # trainer.keep_cache: the cache stays where the engine wakes beside it
+            if plan.engine_wake_bytes:  # trainer.memory.keep_cache: the cache stays where the engine wakes beside it
                 offloader.keep_cache_if_free = int(plan.engine_wake_bytes)
         with engine_log_status("engine starting", generator.log_path):
             generator.ensure_started(trainer.model)  # the weight mapping; a full start if none ran
@@ -355,7 +358,7 @@ class Run:
                     r.batch.prompt_ids, r.rollouts.completion_ids, r.rewards, settings.sampling.n,
                     engine_logprobs=r.rollouts.logprobs,
                     truncated=[reason == "length" for reason in r.rollouts.finish_reasons])
-            metrics = step_metrics(r, train_metrics, p.trainer, p.switch, settings.trainer.peak_tflops,
+            metrics = step_metrics(r, train_metrics, p.trainer, p.switch, settings.trainer.perf.peak_tflops,
                                    p.task.rewards.metrics(r.values))
             if par.enabled:
                 gathered = par.gather((metrics, r.rewards))
@@ -366,13 +369,13 @@ class Run:
                 p.logger.log_samples(sample_rows(step, r.batch, r.rollouts.texts, r.rewards, r.values, settings,
                                                  r.rollouts.completion_ids))
             done.update(step=step + 1, sampler=p.task.sampler.state())
-        _check_finite(p.trainer, step, settings.trainer.max_nonfinite_steps)
+        _check_finite(p.trainer, step, settings.trainer.optim.max_nonfinite_steps)
 
     # -- the end ----------------------------------------------------------------------------
     def export(self) -> None:
-        """trainer.export_final: the final checkpoint as a Hugging Face model directory."""
+        """trainer.checkpoint.export: the final checkpoint as a Hugging Face model directory."""
         t = self.settings.trainer
-        export_checkpoint(self.output_dir / "checkpoint", export_target(t.export_dir, self.output_dir))
+        export_checkpoint(self.output_dir / "checkpoint", export_target(t.checkpoint.export_dir, self.output_dir))
 
     def report(self, p: Components) -> RunResult:
         """The summary table, and what the run returns."""
@@ -387,13 +390,13 @@ class Run:
 
 
 def _check_finite(trainer: GRPOTrainer, step: int, limit: int) -> None:
-    """Stops the run after trainer.max_nonfinite_steps skipped updates in a row."""
+    """Stops the run after trainer.optim.max_nonfinite_steps skipped updates in a row."""
     if trainer.nonfinite_in_a_row >= limit:
         raise TrainingDiverged(
             f"step {step}: the loss or gradient norm was not finite in {trainer.nonfinite_in_a_row} "
-            f"steps in a row (trainer.max_nonfinite_steps={limit}); their updates were skipped, so the "
-            "trainer holds the last finite update's state: lower trainer.lr (or trainer.kl_coef, "
-            "trainer.max_grad_norm), or look for inf/NaN rewards (task.rewards, task.reward_weights), "
+            f"steps in a row (trainer.optim.max_nonfinite_steps={limit}); their updates were skipped, so the "
+            "trainer holds the last finite update's state: lower trainer.lr (or trainer.algo.kl_coef, "
+            "trainer.optim.max_grad_norm), or look for inf/NaN rewards (task.rewards, task.reward_weights), "
             "before resuming")
 
 
@@ -406,19 +409,19 @@ def _build_trainer(settings: RunConfig, policy: torch.nn.Module, device: str, pa
     trainer = GRPOTrainer(policy, t, pad_token_id=tokenizer.pad_token_id,
                           temperature=s.temperature, max_tokens=s.max_tokens, device=device,
                           parallel=par, autocast_dtype=DTYPES[settings.model.dtype] if mixed else None)
-    offloader = Offloader(policy, trainer.optimizer, t.offload, overlap_restore=t.overlap_restore,
-                          restore_while_awake=t.restore_while_awake)
+    offloader = Offloader(policy, trainer.optimizer, t.memory.offload, overlap_restore=t.memory.overlap_restore,
+                          restore_while_awake=t.memory.restore_while_awake)
     stages.mark("policy", f"policy of {sum(p.numel() for p in policy.parameters()) / 1e6:.2f} M parameters "
                           f"on {device} in {str(next(policy.parameters()).dtype).removeprefix('torch.')}, "
-                          f"{t.optimizer} optimizer" + (", Liger's kernels" if trainer.kernels == "liger" else "")
+                          f"{t.optim.name} optimizer" + (", Liger's kernels" if trainer.kernels == "liger" else "")
                           + (f", computing in {settings.model.dtype} throughout" if trainer.copies == "all" else ""))
     start_step = 0
-    if t.resume:
+    if t.checkpoint.resume:
         # its config, checksums and step count were checked before the engine was spawned
-        extra = load_checkpoint(t.resume, trainer, verified=True)
+        extra = load_checkpoint(t.checkpoint.resume, trainer, verified=True)
         task.sampler.load_state(extra["sampler"])
         start_step = extra["step"]
-        stages.mark("resume", f"resumed from {t.resume} after {start_step} steps")
+        stages.mark("resume", f"resumed from {t.checkpoint.resume} after {start_step} steps")
     return trainer, offloader, start_step
 
 

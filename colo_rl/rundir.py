@@ -63,14 +63,14 @@ class RunDirLock:
 def claim(output_dir: Path, cfg, resume: str | None, overwrite: bool) -> None:
     """Called once the run holds `output_dir`'s lock, before anything is written into it: refuses a
     directory whose checkpoint another run wrote (this run would replace it and drop its metrics)
-    unless this run resumes (`trainer.resume`) or is told to (`overwrite_output_dir=true`); then
+    unless this run resumes (`trainer.checkpoint.resume`) or is told to (`overwrite_output_dir=true`); then
     saves Hydra's record of the job there (conf/hydra/default.yaml turns Hydra's own writing off:
     it wrote before any lock was taken, into the directory of a live run too)."""
     manifest = output_dir / "checkpoint" / "manifest.json"
     if manifest.is_file() and resume is None and not overwrite:
         raise ConfigError(f"output_dir={output_dir} holds the checkpoint of an earlier run "
                           f"({manifest.parent}), which this run would replace: continue it with "
-                          f"trainer.resume={manifest.parent}, give this run another output_dir, or "
+                          f"trainer.checkpoint.resume={manifest.parent}, give this run another output_dir, or "
                           "replace it (and its metrics) with overwrite_output_dir=true")
     _save_hydra_record(output_dir, cfg)
 

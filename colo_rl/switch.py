@@ -168,7 +168,7 @@ class Switch:
             with timer.phase("eval"):
                 evaluation = engine.generate(eval_ids, eval_sampling, eval_sampling.seed)
             evaluation.metrics = _count_tokens(evaluation, {})
-        # trainer.restore_while_awake: with room for both, the trainer's copies run before the
+        # trainer.memory.restore_while_awake: with room for both, the trainer's copies run before the
         # engine frees its memory, not in the contended second after its sleep
         restore_awake = offloader.fits_beside_engine()
         if restore_awake:

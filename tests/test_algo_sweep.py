@@ -35,7 +35,7 @@ def test_the_algorithm_sweep_runs_each_preset_and_reports_each_reward_curve(tmp_
     assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == sorted(job.name for job in jobs)
     for job, name in zip(jobs, ALGORITHMS):
         config = yaml.safe_load((job / ".hydra" / "config.yaml").read_text())
-        assert config["trainer"]["algorithm"] == name
+        assert config["trainer"]["algo"]["name"] == name
         steps, rewards = line_series(read_metrics(job), ("reward/mean",))["reward/mean"]
         assert steps == [0, 1] and all(0 <= r <= 1 for r in rewards)
     written = render(sweep)

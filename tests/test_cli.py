@@ -16,6 +16,7 @@ import pytest
 
 from colo_rl.cli import input_error_message
 from colo_rl.config import validate
+from colo_rl.config_moves import OLD_KEYS
 from colo_rl.trainer.algorithms import check_algorithm
 
 from .conftest import ROOT, compose_config
@@ -31,10 +32,10 @@ BAD_INPUTS = {
                               "model.path=/no/such/model: the directory does not exist"),
     "unknown_key": (["trainer.lrr=1"], "trainer.lrr: no such key"),
     "in_a_multirun": (["-m", "trainer.lr=-1,1e-3"], "trainer.lr=-1.0 must be > 0"),
-    "liger_off_cuda": (["trainer.kernels=liger", "trainer.device=cpu"],
-                       "trainer.kernels=liger runs Triton GPU kernels, but the trainer is on cpu"),
-    "estimator_path_that_does_not_import": (["trainer/algo=rloo", "trainer.advantage_estimator=no_such_module:loo"],
-                                            "trainer.advantage_estimator: 'no_such_module:loo': module "
+    "liger_off_cuda": (["trainer.perf.kernels=liger", "trainer.device=cpu"],
+                       "trainer.perf.kernels=liger runs Triton GPU kernels, but the trainer is on cpu"),
+    "estimator_path_that_does_not_import": (["trainer/algo=rloo", "trainer.algo.advantage_estimator=no_such_module:loo"],
+                                            "trainer.algo.advantage_estimator: 'no_such_module:loo': module "
                                             "'no_such_module' does not import"),
     "algo_sweep_with_an_unknown_preset": (["-m", "trainer/algo=vtrace,grpo"],
                                           "trainer/algo=vtrace: there is no config trainer/algo/vtrace.yaml"),
@@ -43,47 +44,51 @@ BAD_INPUTS = {
 # the subprocess gets; a subprocess each would cost 5 s of importing torch).
 COMPOSE_ERRORS = {
     "wrong_type": (["trainer.lr=fast"], "trainer.lr: Value 'fast' of type 'str' could not be converted"),
-    "not_a_bool": (["trainer.checkpoint_background=maybe"],
-                   "trainer.checkpoint_background: Value 'maybe' is not a valid bool"),
-    "keep_cache_not_a_bool": (["trainer.keep_cache=sometimes"],
-                              "trainer.keep_cache: Value 'sometimes' is not a valid bool"),
-    "compile_not_a_bool": (["trainer.compile=fast"], "trainer.compile: Value 'fast' is not a valid bool"),
-    "fp32_activations_not_a_bool": (["trainer.fp32_activations=half"],
-                                    "trainer.fp32_activations: Value 'half' is not a valid bool"),
-    "unknown_kernels": (["trainer.kernels=flash"], "trainer.kernels='flash' must be one of auto, none, liger"),
-    "unknown_logprob_kernel": (["trainer.logprob_kernel=triton"],
-                               "trainer.logprob_kernel='triton' must be one of auto, compiled, eager"),
+    "not_a_bool": (["trainer.checkpoint.background=maybe"],
+                   "trainer.checkpoint.background: Value 'maybe' is not a valid bool"),
+    "keep_cache_not_a_bool": (["trainer.memory.keep_cache=sometimes"],
+                              "trainer.memory.keep_cache: Value 'sometimes' is not a valid bool"),
+    "compile_not_a_bool": (["trainer.perf.compile=fast"], "trainer.perf.compile: Value 'fast' is not a valid bool"),
+    "fp32_activations_not_a_bool": (["trainer.memory.fp32_activations=half"],
+                                    "trainer.memory.fp32_activations: Value 'half' is not a valid bool"),
+    "unknown_kernels": (["trainer.perf.kernels=flash"], "trainer.perf.kernels='flash' must be one of auto, none, liger"),
+    "unknown_logprob_kernel": (["trainer.perf.logprob_kernel=triton"],
+                               "trainer.perf.logprob_kernel='triton' must be one of auto, compiled, eager"),
     "micro_batch_size_word": (["trainer.micro_batch_size=half"],
                               "trainer.micro_batch_size='half' must be >= 1 or auto"),
-    "fused_head_not_a_bool": (["trainer.fused_head=maybe"], "trainer.fused_head: Value 'maybe' is not a valid bool"),
-    "fuse_grad_accumulation_not_a_bool": (["trainer.fuse_grad_accumulation=maybe"],
-                                          "trainer.fuse_grad_accumulation: Value 'maybe' is not a valid bool"),
-    "logprob_recompute_word": (["trainer.logprob_recompute=sometimes"],
-                               "trainer.logprob_recompute='sometimes' must be true, false or auto"),
-    "liger_compiled": (["trainer.kernels=liger", "trainer.compile=true"],
-                       "trainer.kernels='liger' cannot be combined with trainer.compile=true"),
+    "fused_head_not_a_bool": (["trainer.perf.fused_head=maybe"], "trainer.perf.fused_head: Value 'maybe' is not a valid bool"),
+    "fuse_grad_accumulation_not_a_bool": (["trainer.perf.fuse_grad_accumulation=maybe"],
+                                          "trainer.perf.fuse_grad_accumulation: Value 'maybe' is not a valid bool"),
+    "logprob_recompute_word": (["trainer.memory.logprob_recompute=sometimes"],
+                               "trainer.memory.logprob_recompute='sometimes' must be true, false or auto"),
+    "liger_compiled": (["trainer.perf.kernels=liger", "trainer.perf.compile=true"],
+                       "trainer.perf.kernels='liger' cannot be combined with trainer.perf.compile=true"),
     "unparsable_override": (["trainer.lr=="], "trainer.lr==: cannot parse this override"),
     "unknown_group_option": (["model=olmo3"], "model=olmo3: there is no config model/olmo3.yaml in "
                                               "the config search path. Choose one of olmo2, "),
     "unknown_experiment": (["experiment=nope"], "experiment=nope: there is no config experiment/nope.yaml"),
     "missing_value": (["trainer.lr=???"], "trainer.lr: has no value (??? in its YAML) and must be set"),
     "unknown_algo_preset": (["trainer/algo=ppo"], "trainer/algo=ppo: there is no config trainer/algo/ppo.yaml"),
-    "unknown_estimator": (["trainer.advantage_estimator=vtrace"],
-                          "trainer.advantage_estimator: 'vtrace' is not an import path: write module:function "
+    "unknown_estimator": (["trainer.algo.advantage_estimator=vtrace"],
+                          "trainer.algo.advantage_estimator: 'vtrace' is not an import path: write module:function "
                           "(e.g. my_module:my_function) or one of the built-ins grpo, rloo, reinforce_pp"),
-    "estimator_without_function": (["trainer.advantage_estimator=colo_rl.trainer.algorithms:vtrace"],
+    "estimator_without_function": (["trainer.algo.advantage_estimator=colo_rl.trainer.algorithms:vtrace"],
                                    "has no callable 'vtrace'"),
-    "unknown_policy_loss": (["trainer.policy_loss=cispo"], "trainer.policy_loss: 'cispo' is not an import path"),
-    "unknown_algorithm_label": (["trainer.algorithm=ppo"], "trainer.algorithm='ppo' must be one of grpo, dr_grpo, "),
-    "dynamic_sampling_rounds": (["trainer/algo=dapo", "trainer.dynamic_sampling.max_rounds=0"],
-                                "trainer.dynamic_sampling.max_rounds=0 must be >= 1"),
+    "unknown_policy_loss": (["trainer.algo.policy_loss=cispo"], "trainer.algo.policy_loss: 'cispo' is not an import path"),
+    "unknown_algorithm_label": (["trainer.algo.name=ppo"], "trainer.algo.name='ppo' must be one of grpo, dr_grpo, "),
+    "dynamic_sampling_rounds": (["trainer/algo=dapo", "trainer.algo.dynamic_sampling.max_rounds=0"],
+                                "trainer.algo.dynamic_sampling.max_rounds=0 must be >= 1"),
     "overlong_buffer_range": (["task.overlong_buffer=2"], "task.overlong_buffer=2.0 must be in [0, 1]"),
-    "skip_zero_advantage_under_fsdp": (["trainer.skip_zero_advantage=true", "trainer.parallel=fsdp"],
-                                       "trainer.skip_zero_advantage=True is not supported with trainer.parallel=fsdp"),
+    "skip_zero_advantage_under_fsdp": (["trainer.algo.skip_zero_advantage=true", "trainer.parallel=fsdp"],
+                                       "trainer.algo.skip_zero_advantage=True is not supported with trainer.parallel=fsdp"),
     "reinforce_pp_under_ddp": (["trainer/algo=reinforce_pp", "trainer.parallel=ddp"],
-                               "trainer.advantage_estimator='reinforce_pp' whitens over the whole batch"),
-    "skip_zero_advantage_with_kl": (["trainer.skip_zero_advantage=true", "trainer.kl_coef=0.1"],
-                                    "trainer.skip_zero_advantage=True cannot skip sequences with trainer.kl_coef=0.1"),
+                               "trainer.algo.advantage_estimator='reinforce_pp' whitens over the whole batch"),
+    "skip_zero_advantage_with_kl": (["trainer.algo.skip_zero_advantage=true", "trainer.algo.kl_coef=0.1"],
+                                    "trainer.algo.skip_zero_advantage=True cannot skip sequences with trainer.algo.kl_coef=0.1"),
+    "moved_key": (["trainer.checkpoint_every=5"],
+                  "trainer.checkpoint_every moved to trainer.checkpoint.every (docs/config.md)"),
+    "moved_group": (["trainer.dynamic_sampling.enabled=true"],
+                    "trainer.dynamic_sampling.enabled moved to trainer.algo.dynamic_sampling.enabled (docs/config.md)"),
 }
 
 
@@ -144,6 +149,36 @@ def test_each_bad_input_is_one_error_line_exit_2_without_traceback_or_engine(tmp
     assert not list(tmp_path.glob("*/engine*.log"))
 
 
+@pytest.mark.parametrize("old, new", OLD_KEYS.items(), ids=list(OLD_KEYS))
+def test_every_key_of_the_old_trainer_layout_is_one_line_naming_its_new_place_exit_2(old, new, tmp_path):
+    # as an override and as an added key; the line comes before torch is imported: no engine
+    for arg in (f"{old}=1", f"+{old}=1"):
+        proc = cli(arg, f"output_dir={tmp_path / 'run'}", "logger=none", cwd=tmp_path)
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 2, (arg, out[-2000:], err[-2000:])
+        assert "Traceback" not in out + err, (arg, err)
+        assert err.splitlines() == [f"colo_rl: error: {old} moved to {new} (docs/config.md)"], (arg, err)
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_old_key_in_a_yaml_file_or_under_debug_names_its_new_place_too(tmp_path):
+    (tmp_path / "conf" / "experiment").mkdir(parents=True)
+    (tmp_path / "conf" / "experiment" / "old.yaml").write_text(
+        "# @package _global_\ntrainer:\n  checkpoint_every: 3\n  dynamic_sampling:\n    enabled: true\n")
+    env = {"COLO_RL_PRESPAWN": "0"}
+    cases = {"yaml": (["--config-dir", str(tmp_path / "conf"), "experiment=old"],
+                      "trainer.checkpoint_every moved to trainer.checkpoint.every (docs/config.md)"),
+             "debug": (["trainer.kl_coef=0.1", "debug=true"],
+                       "trainer.kl_coef moved to trainer.algo.kl_coef (docs/config.md)")}
+    for name, (args, expected) in cases.items():
+        proc = cli(*args, f"output_dir={tmp_path / name}", "logger=none", cwd=tmp_path, env=env)
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 2, (name, err[-3000:])
+        errors = [line for line in err.splitlines() if line.startswith("colo_rl: error: ")]
+        assert errors == [f"colo_rl: error: {expected}"], (name, err[-3000:])
+        assert ("Traceback" in err) == (name == "debug"), (name, err[-3000:])
+
+
 def test_debug_or_hydra_full_error_shows_the_traceback_of_an_input_error(tmp_path):
     for args, env in ((["debug=true"], {}), ([], {"HYDRA_FULL_ERROR": "1"})):
         proc = cli("trainer.lr=-1", *args, f"output_dir={tmp_path}", "logger=none", cwd=tmp_path,
@@ -186,11 +221,11 @@ def test_resuming_another_shape_or_a_changed_checkpoint_is_refused_before_any_en
     checkpoint = save_checkpoint(tmp_path / "checkpoint", trainer, {"step": 1, "task_rng": None},
                                  config=config, model_dir=model_dir)
     marker, python = engine_marker
-    common = (python, f"trainer.resume={checkpoint}", f"output_dir={tmp_path / 'run'}", "logger=none")
+    common = (python, f"trainer.checkpoint.resume={checkpoint}", f"output_dir={tmp_path / 'run'}", "logger=none")
     proc = cli(*common, "model.embedded.hidden_size=256", cwd=tmp_path)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 2 and "Traceback" not in err, err
-    assert f"colo_rl: error: trainer.resume={checkpoint}: this run's config differs from the " \
+    assert f"colo_rl: error: trainer.checkpoint.resume={checkpoint}: this run's config differs from the " \
            "checkpoint's in model.embedded.hidden_size=256 (the checkpoint: 128)" in err, err
 
     data = bytearray((checkpoint / "optimizer.safetensors").read_bytes())

@@ -64,6 +64,30 @@ def test_engine_kwargs_as_the_readme_adds_them_reach_the_generator_config():
         "compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY"}, "max_num_batched_tokens": 8192}
 
 
+def test_a_sweep_over_the_optimizer_presets_composes_one_job_per_optimizer():
+    # `python -m colo_rl.run -m trainer/optim=adamw,adamw_8bit`: the basic sweeper's jobs, composed
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(["trainer/optim=adamw,adamw_8bit,adamw_bf16_sr",
+                                                       "trainer.optim.weight_decay=0.1"])
+    jobs = BasicSweeper.split_arguments(parsed, None)[0]
+    trainers = [OmegaConf.to_object(compose_config(*job)).trainer for job in jobs]
+    assert [t.optim.name for t in trainers] == ["adamw", "adamw_8bit", "adamw_bf16_sr"]
+    # a preset swaps the optimizer; the other optim keys stay the run's
+    assert all(t.optim.weight_decay == 0.1 and t.optim.betas == [0.9, 0.999] and t.lr == 1e-3 for t in trainers)
+
+
+def test_a_checkpoints_config_of_the_old_layout_reads_in_the_new_one():
+    from colo_rl.config_moves import translate
+
+    from tests.configs import old_layout
+
+    composed = OmegaConf.to_container(compose_config(), resolve=True)
+    assert "checkpoint_every" in old_layout(composed)["trainer"]
+    assert translate(old_layout(composed)) == composed and translate(composed) == composed
+
+
 def test_typo_in_a_key_fails_at_compose_naming_it():
     with pytest.raises(ConfigCompositionException, match="generator.gpu_memory_utilizaton"):
         compose_config("generator.gpu_memory_utilizaton=0.3")
@@ -75,13 +99,13 @@ def test_wrong_type_fails_at_compose_naming_the_key():
 
 
 @pytest.mark.parametrize("override,key", [
-    ("trainer.advantage_std=sample", "trainer.advantage_std='sample' must be one of unbiased, population"),
-    ("trainer.clip_eps_high=-0.1", "trainer.clip_eps_high=-0.1 must be null"),
-    ("trainer.tis_cap=0", "trainer.tis_cap=0.0 must be null .off. or > 0"),
-    ("trainer.lr_schedule=step", "trainer.lr_schedule='step' must be one of constant, linear, cosine"),
-    ("trainer.warmup_steps=-1", "trainer.warmup_steps=-1 must be in [[]0, trainer.steps=30[)]"),
-    ("trainer.warmup_steps=30", "trainer.warmup_steps=30 must be in [[]0, trainer.steps=30[)]"),
-    ("trainer.max_nonfinite_steps=0", "trainer.max_nonfinite_steps=0 must be >= 1"),
+    ("trainer.algo.advantage_std=sample", "trainer.algo.advantage_std='sample' must be one of unbiased, population"),
+    ("trainer.algo.clip_eps_high=-0.1", "trainer.algo.clip_eps_high=-0.1 must be null"),
+    ("trainer.algo.tis_cap=0", "trainer.algo.tis_cap=0.0 must be null .off. or > 0"),
+    ("trainer.optim.lr_schedule=step", "trainer.optim.lr_schedule='step' must be one of constant, linear, cosine"),
+    ("trainer.optim.warmup_steps=-1", "trainer.optim.warmup_steps=-1 must be in [[]0, trainer.steps=30[)]"),
+    ("trainer.optim.warmup_steps=30", "trainer.optim.warmup_steps=30 must be in [[]0, trainer.steps=30[)]"),
+    ("trainer.optim.max_nonfinite_steps=0", "trainer.optim.max_nonfinite_steps=0 must be >= 1"),
 ])
 def test_grpo_numerics_keys_out_of_range_fail_in_validate_naming_the_key(override, key):
     with pytest.raises(ConfigError, match=key.replace("(", r"\(")):
@@ -89,14 +113,14 @@ def test_grpo_numerics_keys_out_of_range_fail_in_validate_naming_the_key(overrid
 
 
 def test_truncated_importance_sampling_needs_the_engines_logprobs_at_the_trainers_temperature():
-    with pytest.raises(ConfigError, match="sampling.logprobs=False must be true with trainer.tis_cap=2.0"):
-        validate(compose_config("trainer.tis_cap=2", "sampling.logprobs=false"))
+    with pytest.raises(ConfigError, match="sampling.logprobs=False must be true with trainer.algo.tis_cap=2.0"):
+        validate(compose_config("trainer.algo.tis_cap=2", "sampling.logprobs=false"))
     with pytest.raises(ConfigError, match="sampling.temperature=0.7 needs "
                                           r"generator.engine_kwargs.logprobs_mode=processed_logprobs"):
-        validate(compose_config("trainer.tis_cap=2", "sampling.temperature=0.7",
+        validate(compose_config("trainer.algo.tis_cap=2", "sampling.temperature=0.7",
                                 "+generator.engine_kwargs.logprobs_mode=raw_logprobs"))
-    validate(compose_config("trainer.tis_cap=2", "sampling.temperature=0.7"))
-    assert validate(compose_config("trainer.tis_cap=2")).trainer.tis_cap == 2.0
+    validate(compose_config("trainer.algo.tis_cap=2", "sampling.temperature=0.7"))
+    assert validate(compose_config("trainer.algo.tis_cap=2")).trainer.algo.tis_cap == 2.0
 
 
 def test_engine_logprobs_are_asked_for_every_kth_step_and_every_step_under_tis():
@@ -109,12 +133,12 @@ def test_engine_logprobs_are_asked_for_every_kth_step_and_every_step_under_tis()
     assert due() == [0, 10, 20]  # null: every 10th step without TIS
     assert due("sampling.logprobs_every=4") == [0, 4, 8, 12, 16, 20, 24]
     assert due("sampling.logprobs_every=1") == list(range(25))
-    assert due("trainer.tis_cap=2") == list(range(25))  # null with TIS: every step
-    assert due("trainer.tis_cap=2", "sampling.logprobs_every=1") == list(range(25))
+    assert due("trainer.algo.tis_cap=2") == list(range(25))  # null with TIS: every step
+    assert due("trainer.algo.tis_cap=2", "sampling.logprobs_every=1") == list(range(25))
     assert due("sampling.logprobs=false", "sampling.logprobs_every=1") == []
     with pytest.raises(ConfigError, match=r"sampling.logprobs_every=5 must be 1 or null with "
-                                          r"trainer.tis_cap=2.0 .*set sampling.logprobs_every=null"):
-        validate(compose_config("trainer.tis_cap=2", "sampling.logprobs_every=5"))
+                                          r"trainer.algo.tis_cap=2.0 .*set sampling.logprobs_every=null"):
+        validate(compose_config("trainer.algo.tis_cap=2", "sampling.logprobs_every=5"))
     with pytest.raises(ConfigError, match="sampling.logprobs_every=0 must be null"):
         validate(compose_config("sampling.logprobs_every=0"))
 
@@ -139,7 +163,7 @@ def test_a_step_is_seeded_once_per_rank_or_once_per_prompt_by_seed_scope():
     ("sampling.top_p=0", "sampling.top_p"),
     ("sampling.seed_scope=request", "sampling.seed_scope='request' must be one of batch, prompt"),
     ("sampling.max_tokens=300", "sampling.max_tokens=300 must be below generator.max_model_len"),
-    ("trainer.offload=everything", "trainer.offload"),
+    ("trainer.memory.offload=everything", "trainer.memory.offload"),
     ("task.toy.target=ab", "task.toy.target"),
     ("task.kind=csv", "task.kind"),
     ("task.rewards=[]", "task.rewards"),
@@ -153,7 +177,7 @@ def test_a_step_is_seeded_once_per_rank_or_once_per_prompt_by_seed_scope():
     ("logger.log_completions=-1", "logger.log_completions"),
     ("model.prompt_template=no_placeholder", "model.prompt_template"),
     ("generator.python=/nonexistent/python", "generator.python"),
-    ("trainer.resume=/nonexistent/checkpoint", "trainer.resume"),
+    ("trainer.checkpoint.resume=/nonexistent/checkpoint", "trainer.checkpoint.resume"),
     ("trainer.parallel=zero3", "trainer.parallel"),
 ])
 def test_out_of_range_values_fail_in_validate_naming_the_key(override, key):
@@ -162,14 +186,14 @@ def test_out_of_range_values_fail_in_validate_naming_the_key(override, key):
 
 
 def test_contradictions_are_refused_naming_both_keys():
-    with pytest.raises(ConfigError, match="sampling.n=1 .*trainer.advantage_norm=std"):
-        validate(compose_config("sampling=greedy", "trainer.advantage_norm=std"))
+    with pytest.raises(ConfigError, match="sampling.n=1 .*trainer.algo.advantage_norm=std"):
+        validate(compose_config("sampling=greedy", "trainer.algo.advantage_norm=std"))
     with pytest.raises(ConfigError, match="cuda_ipc.*trainer.device=cpu"):
         validate(compose_config("generator.weight_sync=cuda_ipc", "trainer.device=cpu"))
-    with pytest.raises(ConfigError, match="trainer.offload='all' must be none with trainer.parallel=fsdp"):
-        validate(compose_config("trainer.parallel=fsdp", "trainer.offload=all"))
-    with pytest.raises(ConfigError, match="trainer.kl_coef=0.1 must be 0 with trainer.parallel=fsdp"):
-        validate(compose_config("trainer.parallel=fsdp", "trainer.offload=none", "trainer.kl_coef=0.1"))
+    with pytest.raises(ConfigError, match="trainer.memory.offload='all' must be none with trainer.parallel=fsdp"):
+        validate(compose_config("trainer.parallel=fsdp", "trainer.memory.offload=all"))
+    with pytest.raises(ConfigError, match="trainer.algo.kl_coef=0.1 must be 0 with trainer.parallel=fsdp"):
+        validate(compose_config("trainer.parallel=fsdp", "trainer.memory.offload=none", "trainer.algo.kl_coef=0.1"))
 
 
 def test_data_parallel_outside_torchrun_stops_before_any_engine_saying_how_to_run_it(tmp_path, monkeypatch):

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from colo_rl.config import RunConfig, described
+from colo_rl.config_moves import OLD_KEYS
 from colo_rl.docs import config_reference, sections, undescribed
 from .test_comments import FORBIDDEN
 
@@ -42,14 +43,22 @@ def test_no_description_names_a_gpu_results_md_or_a_date():
 
 def test_the_reference_has_one_row_per_key_and_the_old_to_new_table():
     page = config_reference()
+    keys_part, _, moved_part = page.partition("## Old -> new key names")
     leaves = [key.path for _, _, keys in sections(RunConfig) for key in keys]
-    rows = [line.split("`")[1] for line in page.splitlines() if line.startswith("| `")]
+    rows = [line.split("`")[1] for line in keys_part.splitlines() if line.startswith("| `")]
     assert rows == leaves and len(leaves) == len(set(leaves)) > 100
     assert "| `trainer.lora.rank` | int | `0` |" in page
     # the default a run gets, not the schema's (conf/generator/default.yaml sets auto)
     assert "| `generator.gpu_memory_utilization` | float or auto | `auto` |" in page
     assert page.index("## Old -> new key names") > page.index("## Run-wide keys")
-    assert page.rstrip().endswith("| old key | new key |\n|---|---|")
+    # the old -> new table: one row per moved key, in OLD_KEYS' order, each new key a key above
+    # and no old key one any more
+    table = moved_part[moved_part.index("| old key | new key |\n|---|---|\n"):]
+    moved = [tuple(cell.strip("` ") for cell in line.strip("|").split("|"))
+             for line in table.splitlines()[2:] if line.startswith("| `")]
+    assert moved == list(OLD_KEYS.items()) and len(moved) >= 40
+    assert all(new in leaves and old not in leaves for old, new in moved)
+    assert page.rstrip().endswith(f"| `{moved[-1][0]}` | `{moved[-1][1]}` |")
 
 
 def test_docs_config_md_is_what_the_generator_writes_now():

@@ -31,7 +31,7 @@ def constant(prompts, completions, **columns):
 def _step(tmp_path, engine, tiny_model_dir, tiny_policy, reward: str, max_rounds: int):
     settings = validate(compose_config(*small_run_overrides(tmp_path), "trainer/algo=dapo", "task.overlong_buffer=0",
                                        f"task.rewards=[tests.test_dynamic_sampling:{reward}]",
-                                       f"trainer.dynamic_sampling.max_rounds={max_rounds}"))
+                                       f"trainer.algo.dynamic_sampling.max_rounds={max_rounds}"))
     task = Task.setup(settings, load_tokenizer(settings.model, tiny_model_dir))
     batch = task.next_batch(settings.trainer.prompts_per_step)
     sampler = dynamic_sampler(settings, task, batch, step=0)

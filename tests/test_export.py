@@ -32,7 +32,7 @@ INPUT = torch.tensor([[1, 5, 6, 7, 8, 9, 10, 11, 12, 13]])
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """A trainer after two GRPO steps and its checkpoint, saved with a config whose model.dtype
-    is bfloat16 while the trainer keeps fp32 masters (trainer.precision=mixed)."""
+    is bfloat16 while the trainer keeps fp32 masters (trainer.memory.precision=mixed)."""
     tmp = tmp_path_factory.mktemp("trained")
     model_dir = write_embedded_model(ModelConfig(), tmp / "model")
     trainer = GRPOTrainer(load_policy(ModelConfig(), model_dir, "cpu"), TrainerConfig(),
@@ -114,13 +114,13 @@ def test_the_export_command_line(trained, tmp_path):
 
 
 def test_export_dir_without_export_final_is_refused_naming_the_key(tmp_path):
-    with pytest.raises(ConfigError, match="trainer.export_dir=.* is set but trainer.export_final=false"):
-        validate(compose_config(f"trainer.export_dir={tmp_path}"))
-    with pytest.raises(ConfigError, match="trainer.checkpoint_final=False but trainer.export_final=true"):
-        validate(compose_config("trainer.export_final=true", "trainer.checkpoint_final=false"))
+    with pytest.raises(ConfigError, match="trainer.checkpoint.export_dir=.* is set but trainer.checkpoint.export=false"):
+        validate(compose_config(f"trainer.checkpoint.export_dir={tmp_path}"))
+    with pytest.raises(ConfigError, match="trainer.checkpoint.final=False but trainer.checkpoint.export=true"):
+        validate(compose_config("trainer.checkpoint.export=true", "trainer.checkpoint.final=false"))
     (tmp_path / "file").write_text("")
-    with pytest.raises(ConfigError, match="trainer.export_dir=.* is a file"):
-        validate(compose_config("trainer.export_final=true", f"trainer.export_dir={tmp_path / 'file'}"))
+    with pytest.raises(ConfigError, match="trainer.checkpoint.export_dir=.* is a file"):
+        validate(compose_config("trainer.checkpoint.export=true", f"trainer.checkpoint.export_dir={tmp_path / 'file'}"))
 
 
 VLLM_GREEDY = """
@@ -137,7 +137,7 @@ print("TOKENS" + json.dumps([list(o.outputs[0].token_ids) for o in outs]))
 
 @pytest.mark.slow
 def test_a_run_with_export_final_leaves_a_model_vllm_serves_with_the_trainers_greedy_tokens(tmp_path, engine):
-    """A real run (trainer.export_final=true), then a vLLM engine of its own started from the
+    """A real run (trainer.checkpoint.export=true), then a vLLM engine of its own started from the
     exported directory with its real weights (load_format auto, as `vllm serve` would): its
     greedy tokens equal Hugging Face greedy decoding with the checkpoint's (the trainer's)
     weights."""
@@ -145,7 +145,7 @@ def test_a_run_with_export_final_leaves_a_model_vllm_serves_with_the_trainers_gr
     # two steps: all rewards 0, no update), and a large lr: two steps move the greedy tokens
     train(compose_config(*small_run_overrides(tmp_path / "run", "logger=none", "trainer.steps=2",
                                               "task.toy.target='='", "trainer.lr=0.05",
-                                              "trainer.export_final=true")), engine)
+                                              "trainer.checkpoint.export=true")), engine)
     out = tmp_path / "run" / "export"
     weights = load_file(out / "model.safetensors")
     trained_weights = load_file(tmp_path / "run" / "checkpoint" / "model.safetensors")

@@ -157,7 +157,7 @@ def test_an_impossible_kv_cache_size_fails_before_the_trainer_is_touched(tmp_pat
     with pytest.raises(ConfigError, match=r"generator.cpu_kvcache_gib=100000 is more than this machine's "
                                           r"[0-9.]+ GiB of memory"):
         train(compose_config(*small_run_overrides(
-            first, "logger=none", "trainer.steps=2", f"trainer.resume={first / 'checkpoint'}",
+            first, "logger=none", "trainer.steps=2", f"trainer.checkpoint.resume={first / 'checkpoint'}",
             "generator.cpu_kvcache_gib=100000")))
     assert checkpoint.read_bytes() == saved
     assert len((first / "metrics.jsonl").read_text().splitlines()) == 1  # no step of the second run
@@ -192,14 +192,14 @@ def test_without_restart_on_failure_the_run_stops_with_a_checkpoint_of_its_last_
     checkpoint = tmp_path / "checkpoint"
     assert read_manifest(checkpoint)["step"] == 1
     assert (f"GeneratorError after 1 steps; checkpoint of the last applied step (1) written to "
-            f"{checkpoint}; resume with trainer.resume={checkpoint}") in caplog.text
+            f"{checkpoint}; resume with trainer.checkpoint.resume={checkpoint}") in caplog.text
     assert engine_processes() == before
     assert leftovers(os.getpid(), keep=shared(engine)) == ([], [])
     assert [r["train/step"] for r in read_metrics(tmp_path)] == [0]
 
     monkeypatch.delenv(FAULT_ENV)
     resumed = train(compose_config(*small_run_overrides(
-        tmp_path, "logger=none", f"trainer.resume={checkpoint}")), engine)
+        tmp_path, "logger=none", f"trainer.checkpoint.resume={checkpoint}")), engine)
     assert [r["train/step"] for r in resumed.records] == [1, 2]
     assert [r["train/step"] for r in read_metrics(tmp_path)] == [0, 1, 2]
 
@@ -237,17 +237,17 @@ def test_a_raising_reward_leaves_a_checkpoint_and_resumes_continue_metrics_witho
             train(compose_config(*small_run_overrides(tmp_path, *run)), engine)
     checkpoint = tmp_path / "checkpoint"
     assert "RewardError after 3 steps; checkpoint of the last applied step (3)" in caplog.text
-    assert f"resume with trainer.resume={checkpoint}" in caplog.text
+    assert f"resume with trainer.checkpoint.resume={checkpoint}" in caplog.text
     assert [r["train/step"] for r in read_metrics(tmp_path)] == [0, 1, 2]
     older = tmp_path / "step3"
     shutil.copytree(checkpoint, older)
 
     monkeypatch.delenv("COLO_RL_TEST_FAIL_AT")
-    train(compose_config(*small_run_overrides(tmp_path, *run, f"trainer.resume={checkpoint}")), engine)
+    train(compose_config(*small_run_overrides(tmp_path, *run, f"trainer.checkpoint.resume={checkpoint}")), engine)
     first = read_metrics(tmp_path)
     assert [r["train/step"] for r in first] == [0, 1, 2, 3, 4]
     with caplog.at_level(logging.WARNING, logger="colo_rl"):
-        train(compose_config(*small_run_overrides(tmp_path, *run, f"trainer.resume={older}")), engine)
+        train(compose_config(*small_run_overrides(tmp_path, *run, f"trainer.checkpoint.resume={older}")), engine)
     assert "dropped 2 records of steps >= 3" in caplog.text
     again = read_metrics(tmp_path)
     assert [r["train/step"] for r in again] == [0, 1, 2, 3, 4]
@@ -259,12 +259,12 @@ def test_a_raising_reward_leaves_a_checkpoint_and_resumes_continue_metrics_witho
 def test_resuming_a_finished_run_is_refused_before_any_engine_starts(tmp_path, engine):
     train(compose_config(*small_run_overrides(tmp_path / "done", "logger=none", "trainer.steps=2")), engine)
     before = engine_processes()
-    with pytest.raises(ConfigError, match=rf"trainer.resume={tmp_path / 'done' / 'checkpoint'} holds "
+    with pytest.raises(ConfigError, match=rf"trainer.checkpoint.resume={tmp_path / 'done' / 'checkpoint'} holds "
                                           r"a run that already did 2 steps, so trainer.steps=2 leaves "
                                           r"none to do: raise trainer.steps above 2"):
         train(compose_config(*small_run_overrides(
             tmp_path / "again", "logger=none", "trainer.steps=2",
-            f"trainer.resume={tmp_path / 'done' / 'checkpoint'}")))
+            f"trainer.checkpoint.resume={tmp_path / 'done' / 'checkpoint'}")))
     assert engine_processes() == before and not (tmp_path / "again" / "engine.log").exists()
 
 
@@ -390,10 +390,10 @@ def test_a_second_signal_during_shutdown_exits_at_once_with_one_line(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("background", [False, True], ids=["direct", "background"])
 def test_sigterm_while_the_finished_run_closes_writes_the_final_checkpoint_and_exits_143(tmp_path, background):
-    """With trainer.checkpoint_background the final checkpoint is being written while the engine
+    """With trainer.checkpoint.background the final checkpoint is being written while the engine
     closes: the interruption waits for it (and does not write it twice)."""
     proc = _cli("trainer.steps=3", *CLI_RUN, f"output_dir={tmp_path}",
-                f"trainer.checkpoint_background={str(background).lower()}")
+                f"trainer.checkpoint.background={str(background).lower()}")
     try:
         _read_until(proc, "all 3 steps done: closing the engine")
         proc.send_signal(signal.SIGTERM)
@@ -412,15 +412,15 @@ def test_sigterm_while_the_finished_run_closes_writes_the_final_checkpoint_and_e
 @pytest.mark.parametrize("background", [False, True], ids=["direct", "background"])
 def test_a_full_disk_at_the_final_checkpoint_is_named_and_the_previous_one_survives(tmp_path, engine, background):
     """A file-size limit (RLIMIT_FSIZE: what a full disk looks like to the writer) smaller than a
-    checkpoint: the engine is closed first (or, trainer.checkpoint_background, while the thread
+    checkpoint: the engine is closed first (or, trainer.checkpoint.background, while the thread
     writes), the error names the directory (no torch message), the previous checkpoint is
     byte-identical and no partial file is left."""
     train(compose_config(*small_run_overrides(tmp_path, "logger=none", "trainer.steps=1")), engine)
     checkpoint = tmp_path / "checkpoint"
     before = {p.name: p.read_bytes() for p in checkpoint.iterdir() if p.is_file()}
     proc = _cli("trainer.steps=3", "logger=none", "logger.progress=false", "sampling.n=4",
-                "trainer.prompts_per_step=4", "sampling.max_tokens=8", f"trainer.resume={checkpoint}",
-                f"output_dir={tmp_path}", f"trainer.checkpoint_background={str(background).lower()}")
+                "trainer.prompts_per_step=4", "sampling.max_tokens=8", f"trainer.checkpoint.resume={checkpoint}",
+                f"output_dir={tmp_path}", f"trainer.checkpoint.background={str(background).lower()}")
     try:
         # the trainer's own limit, set once its engine runs (the engine compiles into files)
         head = _read_until(proc, "engine up")
@@ -486,7 +486,7 @@ def test_a_failure_while_the_trainer_is_built_stops_the_engine_started_beside_it
     before = engine_processes()
     with pytest.raises(CheckpointError, match="not a colo_rl state file"):
         train(compose_config(*small_run_overrides(tmp_path / "again", "logger=none", "trainer.steps=2",
-                                                  f"trainer.resume={checkpoint}")))
+                                                  f"trainer.checkpoint.resume={checkpoint}")))
     assert (tmp_path / "again" / "engine.log").exists()  # the engine had been started
     assert engine_processes() == before
     assert leftovers(os.getpid(), keep=shared(engine)) == ([], [])

@@ -23,6 +23,7 @@ from colo_rl.run import train
 from colo_rl.switch import Switch
 from colo_rl.trainer import CheckpointError, GRPOTrainer, Offloader, load_checkpoint, save_checkpoint
 from colo_rl.trainer.checkpoint import check_compatible, read_manifest
+from tests.configs import trainer_config
 
 from .conftest import ROOT, compose_config, engine_processes, small_run_overrides
 from .generator.test_generator import hf_greedy
@@ -51,7 +52,7 @@ def lora_policy(model_dir, *, dtype="float32", adapter_dtype=torch.float32, seed
 
 
 def trainer_of(model, **cfg) -> GRPOTrainer:
-    return GRPOTrainer(model, TrainerConfig(**cfg), pad_token_id=0, temperature=1.0, max_tokens=8,
+    return GRPOTrainer(model, trainer_config(**cfg), pad_token_id=0, temperature=1.0, max_tokens=8,
                        device="cpu", autocast_dtype=torch.bfloat16)
 
 
@@ -68,7 +69,7 @@ def test_lora_values_out_of_range_are_refused_naming_the_key(override, message):
 
 def test_lora_with_fsdp_is_refused_naming_the_key():
     with pytest.raises(ConfigError, match="trainer.lora.rank=8 must be 0 with trainer.parallel=fsdp"):
-        validate(compose_config("trainer.lora.rank=8", "trainer.parallel=fsdp", "trainer.offload=none"))
+        validate(compose_config("trainer.lora.rank=8", "trainer.parallel=fsdp", "trainer.memory.offload=none"))
 
 
 def test_lora_without_peft_installed_is_refused_saying_what_to_install(monkeypatch):
@@ -92,7 +93,7 @@ def test_unknown_target_modules_are_refused_before_any_engine_listing_the_linear
 
 
 def test_only_the_adapters_train_in_fp32_over_a_frozen_bf16_base(tiny_model_dir):
-    """trainer.precision=mixed under LoRA: fp32 adapters and AdamW state; the base stays in bf16
+    """trainer.memory.precision=mixed under LoRA: fp32 adapters and AdamW state; the base stays in bf16
     with no master copy, no gradient and no optimizer state."""
     model = lora_policy(tiny_model_dir, dtype="bfloat16")
     trainer = trainer_of(model, lr=1e-2)
@@ -222,7 +223,7 @@ def test_resuming_from_an_adapter_checkpoint_continues_bit_exact(tmp_path, engin
     full = train(compose_config(*small_run_overrides(tmp_path / "full", *lora, "trainer.steps=4")), engine).records
     train(compose_config(*small_run_overrides(tmp_path / "first", *lora, "trainer.steps=2")), engine)
     resumed = train(compose_config(*small_run_overrides(
-        tmp_path / "resumed", *lora, "trainer.steps=4", f"trainer.resume={tmp_path / 'first' / 'checkpoint'}")),
+        tmp_path / "resumed", *lora, "trainer.steps=4", f"trainer.checkpoint.resume={tmp_path / 'first' / 'checkpoint'}")),
         engine).records
     assert [r["train/step"] for r in resumed] == [2, 3]
     for a, b in zip(full[2:], resumed):
@@ -314,7 +315,7 @@ def test_an_adapter_export_of_a_full_fine_tuning_checkpoint_is_refused(tmp_path,
 def test_two_ddp_ranks_train_the_adapters_like_one_process(tmp_path, engine):
     from .test_parallel import OVERRIDES, kill_tree, model_state, torchrun
 
-    lora = ["trainer.lora.rank=8", "trainer.lr=1e-2", "trainer.offload=none"]
+    lora = ["trainer.lora.rank=8", "trainer.lr=1e-2", "trainer.memory.offload=none"]
     proc = torchrun(2, "trainer.parallel=ddp", *lora, *OVERRIDES, f"output_dir={tmp_path / 'two'}")
     try:
         out, _ = proc.communicate(timeout=600)

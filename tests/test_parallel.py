@@ -65,7 +65,7 @@ def kill_tree(proc: subprocess.Popen) -> None:
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
 def test_two_ranks_train_like_one_process_over_the_same_global_batch(mode, tmp_path, engine):
     two = tmp_path / "two_ranks"
-    proc = torchrun(2, f"trainer.parallel={mode}", "trainer.offload=none", *OVERRIDES,
+    proc = torchrun(2, f"trainer.parallel={mode}", "trainer.memory.offload=none", *OVERRIDES,
                     f"output_dir={two}")
     try:
         out, _ = proc.communicate(timeout=600)
@@ -73,7 +73,7 @@ def test_two_ranks_train_like_one_process_over_the_same_global_batch(mode, tmp_p
         kill_tree(proc)
     assert proc.returncode == 0, out[-4000:]
     one = train(compose_config(*small_run_overrides(tmp_path / "one", *OVERRIDES,
-                                                    "trainer.offload=none")), engine)
+                                                    "trainer.memory.offload=none")), engine)
 
     records = [json.loads(line) for line in (two / "metrics.jsonl").read_text().splitlines()]
     assert [r["train/step"] for r in records] == list(range(STEPS))

@@ -33,17 +33,17 @@ def test_resolved_settings_are_frozen_hold_no_auto_and_are_the_wandb_config(tmp_
     validated = dataclasses.asdict(run.settings)
     result = run.execute()
     assert OmegaConf.to_container(cfg) == composed  # the user's config is never mutated
-    assert dataclasses.asdict(run.validated) == validated and validated["trainer"]["offload"] == "auto"
+    assert dataclasses.asdict(run.validated) == validated and validated["trainer"]["memory"]["offload"] == "auto"
     resolved = run.resolved
     with pytest.raises(dataclasses.FrozenInstanceError):
-        resolved.settings.trainer.offload = "none"
+        resolved.settings.trainer.memory.offload = "none"
     with pytest.raises(dataclasses.FrozenInstanceError):
         resolved.settings.generator.gpu_memory_utilization = 0.9
     settings = dataclasses.asdict(resolved.settings)
     assert [k for k, v in leaves(settings) if v == "auto"] == []
     assert settings["sampling"]["logprobs_every"] == 10
     decided = {d.key: d for d in resolved.decisions}
-    assert decided["trainer.offload"].value == "all" and decided["trainer.device"].value == "cpu"
+    assert decided["trainer.memory.offload"].value == "all" and decided["trainer.device"].value == "cpu"
     assert all(d.reason for d in resolved.decisions)
     wandb = dict(leaves(result.wandb_config))
     assert {k: v for k, v in leaves(resolved.config()) if wandb.get(k) != v} == {}
@@ -63,12 +63,12 @@ def test_with_stdout_piped_no_bar_frames_no_warnings_and_the_end_table_fits_100_
     table = text[text.index("colo_rl: 2 steps"):]
     assert max(len(line) for line in table.splitlines()) <= 100
     assert f"colo_rl: 2 steps ({tmp_path / 'run'})" in table  # its title in one piece
-    assert "trainer.precision -> pure: model.dtype=float32" in text  # each decision with its reason
+    assert "trainer.memory.precision -> pure: model.dtype=float32" in text  # each decision with its reason
 
 
 # -- the memory plan's decisions, one function each -----------------------------------------
 def test_micro_batch_decision():
-    settings, shape = one_b("trainer.micro_batch_size=auto", "trainer.kernels=liger", "trainer.logprob_chunk=1024")
+    settings, shape = one_b("trainer.micro_batch_size=auto", "trainer.perf.kernels=liger", "trainer.perf.logprob_chunk=1024")
     assert _micro_batch(settings, shape, 384, None, True) == (16, "no GPU memory to plan: the default")
     value, reason = _micro_batch(settings, shape, 384, (int(78.68 * GIB), H100), True)
     assert value == 32 and "fits beside the sleeping engine" in reason
@@ -78,7 +78,7 @@ def test_micro_batch_decision():
 
 
 def test_kept_logits_decision():
-    settings, shape = one_b("trainer.logprob_recompute=auto", "trainer.kernels=liger", "trainer.logprob_chunk=1024")
+    settings, shape = one_b("trainer.memory.logprob_recompute=auto", "trainer.perf.kernels=liger", "trainer.perf.logprob_chunk=1024")
     value, reason = _recompute(settings, shape, 384, (int(78.68 * GIB), H100), True, 32)
     assert value is False and "kept for backward" in reason
     value, reason = _recompute(settings, shape, 384, (24 * GIB, H100), True, 32)
@@ -89,15 +89,15 @@ def test_kept_logits_decision():
 def test_offload_and_engine_budget_decisions_print_with_their_reasons():
     settings, shape = one_b("generator.gpu_memory_utilization=auto", "trainer.micro_batch_size=16")
     plan = plan_memory(settings, shape, 384, (int(78.68 * GIB), H100))
-    assert plan.reasons["trainer.offload"].startswith("the least offload with the awake engine's")
+    assert plan.reasons["trainer.memory.offload"].startswith("the least offload with the awake engine's")
     assert plan.reasons["generator.gpu_memory_utilization"] in (
         "every sequence's KV cache beside the trainer",
         "what is left beside the trainer (vLLM queues the sequences that do not fit)")
     table = plan.table()
-    assert f"trainer.offload -> {plan.offload}: the least offload" in table
+    assert f"trainer.memory.offload -> {plan.offload}: the least offload" in table
     cpu = plan_memory(settings, shape, 384, None)
-    assert cpu.reasons["trainer.offload"].startswith("a CPU run")
-    assert "GPU" not in cpu.table().split("trainer.offload")[0].split("\n", 1)[1]  # the CPU plan says host
+    assert cpu.reasons["trainer.memory.offload"].startswith("a CPU run")
+    assert "GPU" not in cpu.table().split("trainer.memory.offload")[0].split("\n", 1)[1]  # the CPU plan says host
 
 
 def test_offload_and_budget_decision_picks_the_least_offload_that_fits():
@@ -111,7 +111,7 @@ def test_offload_and_budget_decision_picks_the_least_offload_that_fits():
     order = ("none", "optimizer", "all")
     assert order.index(roomy) < order.index(tight) and reason.startswith("the least offload")
     assert budget > 0 and why == "every sequence's KV cache beside the trainer"
-    given = one_b("trainer.offload=optimizer", "generator.gpu_memory_utilization=0.3")[0]
+    given = one_b("trainer.memory.offload=optimizer", "generator.gpu_memory_utilization=0.3")[0]
     (offload, reason), (budget, why) = _offload_and_budget(given, s, 78 * GIB, H100, 74 * GIB, 4 * GIB,
                                                            ENGINE_ASLEEP_GIB * GIB)
     assert (offload, reason, why) == ("optimizer", "as given", "as given") and budget == 0.3 * H100

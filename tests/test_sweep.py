@@ -60,7 +60,7 @@ def test_the_optuna_experiment_searches_for_the_highest_objective_and_survives_f
     assert str(sweeper.direction) in ("maximize", "Direction.maximize")
     # with one trial per batch, any rate below 1 would end the sweep at its first failed trial
     assert sweeper.n_jobs == 1 and sweeper.max_failure_rate == 1.0
-    assert set(sweeper.params) == {"trainer.lr", "trainer.clip_eps"}
+    assert set(sweeper.params) == {"trainer.lr", "trainer.algo.clip_eps"}
     assert cfg.eval.every > 0  # the objective is the final held-out evaluation
 
 
@@ -95,7 +95,7 @@ def test_an_optuna_sweep_of_4_trials_names_its_best_trial_and_a_failed_trial_doe
         assert final["train/step"] == 2 and objective(records) == final[EVAL_KEY]
         overrides = OmegaConf.load(job / ".hydra" / "overrides.yaml")
         values[job.name] = (final[EVAL_KEY], {o.split("=")[0]: float(o.split("=")[1]) for o in overrides
-                                               if o.startswith(("trainer.lr=", "trainer.clip_eps="))})
+                                               if o.startswith(("trainer.lr=", "trainer.algo.clip_eps="))})
     results = OmegaConf.load(sweep / "optimization_results.yaml")
     best_value = max(v for v, _ in values.values())
     assert results.best_value == best_value

@@ -79,7 +79,7 @@ def test_unwritable_staging_dir_fails_the_step_and_restores_the_trainer(engine, 
 
 
 def test_restore_while_awake_restores_before_the_sleep_and_bit_exact(engine, tiny_policy):
-    """trainer.restore_while_awake: the restore phase moves before the sleep (on CPU there is
+    """trainer.memory.restore_while_awake: the restore phase moves before the sleep (on CPU there is
     always room; tests/trainer/test_offload.py checks the GPU's room test)."""
     optimizer = torch.optim.AdamW(tiny_policy.parameters(), lr=1e-3)
     tiny_policy(torch.tensor([[5, 6, 7]])).logits.sum().backward()

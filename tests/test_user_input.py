@@ -75,14 +75,14 @@ def test_an_export_target_that_holds_anything_is_refused_before_the_engine(tmp_p
         str(tmp_path): "is or holds the run directory",
     }
     for target, expected in cases.items():
-        message = refused(no_engine, run_dir, "trainer.export_final=true", f"trainer.export_dir={target}",
-                          f"trainer.resume={run_dir / 'checkpoint'}", "trainer.steps=3")
-        assert message.startswith(f"trainer.export_dir={target}: ") and expected in message, message
+        message = refused(no_engine, run_dir, "trainer.checkpoint.export=true", f"trainer.checkpoint.export_dir={target}",
+                          f"trainer.checkpoint.resume={run_dir / 'checkpoint'}", "trainer.steps=3")
+        assert message.startswith(f"trainer.checkpoint.export_dir={target}: ") and expected in message, message
     (run_dir / "export").mkdir()
     (run_dir / "export" / "notes.txt").write_text("mine")
-    message = refused(no_engine, run_dir, "trainer.export_final=true", "trainer.steps=3",
-                      f"trainer.resume={run_dir / 'checkpoint'}")
-    assert "trainer.export_final (into" in message and "exists and is not empty" in message
+    message = refused(no_engine, run_dir, "trainer.checkpoint.export=true", "trainer.steps=3",
+                      f"trainer.checkpoint.resume={run_dir / 'checkpoint'}")
+    assert "trainer.checkpoint.export (into" in message and "exists and is not empty" in message
     for directory, files in kept.items():  # the run's own .hydra/ and lock are rewritten each time
         assert {k: v for k, v in tree(directory).items() if k in files and not k.startswith(".")} \
             == {k: v for k, v in files.items() if not k.startswith(".")}
@@ -95,14 +95,14 @@ def test_a_new_run_into_a_finished_runs_directory_is_refused_unless_resumed_or_t
     before = tree(tmp_path)
     message = refused(no_engine, tmp_path)
     assert message.startswith(f"output_dir={tmp_path} holds the checkpoint of an earlier run"), message
-    assert f"trainer.resume={checkpoint}" in message and "overwrite_output_dir=true" in message
+    assert f"trainer.checkpoint.resume={checkpoint}" in message and "overwrite_output_dir=true" in message
     assert {k: v for k, v in tree(tmp_path).items() if not k.startswith(".")} == \
         {k: v for k, v in before.items() if not k.startswith(".")}
     # told: it goes on to the next check (a refused export target here: still nothing replaced)
     (tmp_path / "export").mkdir()
     (tmp_path / "export" / "x").write_text("x")
     assert "exists and is not empty" in refused(no_engine, tmp_path, "overwrite_output_dir=true",
-                                                "trainer.export_final=true")
+                                                "trainer.checkpoint.export=true")
 
 
 def test_a_run_refused_because_its_directory_is_in_use_writes_nothing_there(tmp_path):
@@ -129,9 +129,10 @@ def test_a_run_refused_because_its_directory_is_in_use_writes_nothing_there(tmp_
     (["+trainer.lrr=1e-4"], "trainer.lrr: no such key in colo_rl's config, so it would be ignored"),
     (["+trainer.lora.rnak=8"], "trainer.lora.rnak: no such key"),
     (["+seed=3"], "seed: no such key"),
+    (["+trainer.checkpoint_every=5"], "trainer.checkpoint_every moved to trainer.checkpoint.every (docs/config.md)"),
     # b259d2e: the engine started, and the run ended in TrainingDiverged blaming the lr
     (["trainer.lr=inf"], "trainer.lr=inf must be a finite number"),
-    (["trainer.kl_coef=inf"], "trainer.kl_coef=inf must be a finite number"),
+    (["trainer.algo.kl_coef=inf"], "trainer.algo.kl_coef=inf must be a finite number"),
     (["task.reward_weights=[nan]"], "task.reward_weights[0]=nan must be a finite number"),
     # b259d2e: vLLM's own error after the engine started
     (["sampling.temperature=inf"], "sampling.temperature=inf must be a finite number"),
@@ -369,7 +370,7 @@ def test_a_manifest_of_the_wrong_shape_is_refused_naming_it(tmp_path, no_engine)
     (tmp_path / "checkpoint").mkdir()
     for text in ("[]", '{"files": ["model.safetensors"]}'):
         (tmp_path / "checkpoint" / "manifest.json").write_text(text)
-        message = refused(no_engine, tmp_path / "run", f"trainer.resume={tmp_path / 'checkpoint'}")
+        message = refused(no_engine, tmp_path / "run", f"trainer.checkpoint.resume={tmp_path / 'checkpoint'}")
         assert message.startswith(f"{tmp_path / 'checkpoint' / 'manifest.json'}: not a colo_rl manifest"), message
 
 
@@ -448,7 +449,7 @@ def test_a_checkpoint_is_never_written_from_weights_that_are_not_finite(tmp_path
     with torch.no_grad():
         next(trainer.model.parameters()).fill_(float("nan"))
     with pytest.raises(CheckpointError, match=r"the trainer's weights are not finite \(1 tensors, .*no checkpoint "
-                                              r"written.*Lower trainer.lr or trainer.kl_coef"):
+                                              r"written.*Lower trainer.lr or trainer.algo.kl_coef"):
         save_checkpoint(checkpoint, trainer, {"step": 2, "sampler": {}})
     assert tree(checkpoint) == before
 

@@ -364,7 +364,7 @@ class VLLMGenerator:
 
     def _engine_tensors(self, model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
         """What the engine gets: the trainer's parameters in the engine's dtype, cast where they
-        differ (fp32 masters under trainer.precision=mixed; a copy the caller holds until the
+        differ (fp32 masters under trainer.memory.precision=mixed; a copy the caller holds until the
         engine has loaded it), the parameters themselves where they do not. Under LoRA each adapted
         weight is merged into a fresh copy (colo_rl.lora), named as in the base model."""
         dtype = getattr(torch, self.dtype)

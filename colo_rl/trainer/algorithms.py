@@ -1,6 +1,6 @@
 """Advantage estimators and policy losses: the named parts an RL algorithm is made of.
 
-trainer.advantage_estimator and trainer.policy_loss name one each, as a built-in short name or as
+trainer.algo.advantage_estimator and trainer.algo.policy_loss name one each, as a built-in short name or as
 a `module:function` import path (the built-ins go through the same loader, as reward functions
 do: colo_rl.rewards.load_function). A user's own part follows the built-ins' signatures:
 
@@ -32,19 +32,19 @@ POLICY_LOSSES = {name: f"colo_rl.trainer.algorithms:{name}" for name in ("ppo_cl
 
 
 def load_estimator(path: str) -> Callable:
-    """trainer.advantage_estimator as a function; ConfigError naming the key otherwise."""
-    return load_function(path, "trainer.advantage_estimator", ADVANTAGE_ESTIMATORS)
+    """trainer.algo.advantage_estimator as a function; ConfigError naming the key otherwise."""
+    return load_function(path, "trainer.algo.advantage_estimator", ADVANTAGE_ESTIMATORS)
 
 
 def load_policy_loss(path: str) -> Callable:
-    """trainer.policy_loss as a function; ConfigError naming the key otherwise."""
-    return load_function(path, "trainer.policy_loss", POLICY_LOSSES)
+    """trainer.algo.policy_loss as a function; ConfigError naming the key otherwise."""
+    return load_function(path, "trainer.algo.policy_loss", POLICY_LOSSES)
 
 
 def grpo(rewards: torch.Tensor, group_size: int, *, lengths: torch.Tensor, cfg) -> torch.Tensor:
     """GRPO's group-relative advantage: r - group mean, over the group's std with
-    trainer.advantage_norm=std (verl's compute_grpo_outcome_advantage, TRL's GRPOTrainer)."""
-    return group_advantages(rewards, group_size, cfg.advantage_norm, std=cfg.advantage_std)
+    trainer.algo.advantage_norm=std (verl's compute_grpo_outcome_advantage, TRL's GRPOTrainer)."""
+    return group_advantages(rewards, group_size, cfg.algo.advantage_norm, std=cfg.algo.advantage_std)
 
 
 def rloo(rewards: torch.Tensor, group_size: int, *, lengths: torch.Tensor, cfg) -> torch.Tensor:
@@ -96,23 +96,23 @@ def check_algorithm(settings) -> None:
     part of the input's checks (run after config.validate, before any engine starts), here since
     config.py cannot import the trainer."""
     t = settings.trainer
-    load_estimator(t.advantage_estimator)
-    load_policy_loss(t.policy_loss)
+    load_estimator(t.algo.advantage_estimator)
+    load_policy_loss(t.algo.policy_loss)
     if t.parallel != "none":
-        _check(t.advantage_estimator != "reinforce_pp", "trainer.advantage_estimator", t.advantage_estimator,
+        _check(t.algo.advantage_estimator != "reinforce_pp", "trainer.algo.advantage_estimator", t.algo.advantage_estimator,
                f"whitens over the whole batch, which trainer.parallel={t.parallel} splits across ranks: "
                "use grpo or rloo, or trainer.parallel=none")
-        _check(t.parallel != "fsdp" or not t.skip_zero_advantage, "trainer.skip_zero_advantage", True,
+        _check(t.parallel != "fsdp" or not t.algo.skip_zero_advantage, "trainer.algo.skip_zero_advantage", True,
                "is not supported with trainer.parallel=fsdp (the ranks' forward counts would differ, and "
                "each sharded forward needs all of them): set it false or use trainer.parallel=ddp")
-        _check(not t.dynamic_sampling.enabled, "trainer.dynamic_sampling.enabled", True,
+        _check(not t.algo.dynamic_sampling.enabled, "trainer.algo.dynamic_sampling.enabled", True,
                f"is not supported with trainer.parallel={t.parallel} yet (each rank would keep a different "
                "number of groups): set it false or trainer.parallel=none")
-    if t.skip_zero_advantage:
-        _check(t.kl_coef == 0, "trainer.skip_zero_advantage", True,
-               f"cannot skip sequences with trainer.kl_coef={t.kl_coef}: their KL term has a gradient; "
-               "set trainer.skip_zero_advantage=false or trainer.kl_coef=0")
-        _check(t.policy_loss in POLICY_LOSSES, "trainer.skip_zero_advantage", True,
-               f"needs a built-in trainer.policy_loss ({', '.join(POLICY_LOSSES)}), whose gradient at zero "
-               f"advantage is known to be 0; {t.policy_loss!r} may need those sequences: set "
-               "trainer.skip_zero_advantage=false")
+    if t.algo.skip_zero_advantage:
+        _check(t.algo.kl_coef == 0, "trainer.algo.skip_zero_advantage", True,
+               f"cannot skip sequences with trainer.algo.kl_coef={t.algo.kl_coef}: their KL term has a gradient; "
+               "set trainer.algo.skip_zero_advantage=false or trainer.algo.kl_coef=0")
+        _check(t.algo.policy_loss in POLICY_LOSSES, "trainer.algo.skip_zero_advantage", True,
+               f"needs a built-in trainer.algo.policy_loss ({', '.join(POLICY_LOSSES)}), whose gradient at zero "
+               f"advantage is known to be 0; {t.algo.policy_loss!r} may need those sequences: set "
+               "trainer.algo.skip_zero_advantage=false")

@@ -7,7 +7,7 @@ A checkpoint is a directory:
     config.yaml             the run's resolved config: resume compares the new one against it
     model.safetensors       the policy, under its state_dict (Hugging Face) names
     optimizer.safetensors   every tensor of the optimizer's state, flattened ("state/0/exp_avg")
-    reference.safetensors   the frozen KL reference, when trainer.kl_coef > 0
+    reference.safetensors   the frozen KL reference, when trainer.algo.kl_coef > 0
     state.pt                the small rest: step count, the optimizer's param groups, RNG states
                             and the runner's `extra`, read with torch.load(weights_only=True)
     hf/                     the model's config.json, tokenizer and generation config, so that
@@ -62,9 +62,9 @@ _MAX_HF_FILE = 64 * 2**20
 # silently put the checkpoint's lr and betas back). A value maps to what is compared.
 COMPARED_KEYS = {
     "model.source": None, "model.path": None, "model.tokenizer": None, "model.embedded": None,
-    "model.dtype": None, "trainer.precision": None, "trainer.optimizer": None, "trainer.lr": None,
-    "trainer.betas": list, "trainer.weight_decay": None,
-    "trainer.kl_coef": lambda v: "a reference model" if v > 0 else "no reference model",
+    "model.dtype": None, "trainer.memory.precision": None, "trainer.optim.name": None, "trainer.lr": None,
+    "trainer.optim.betas": list, "trainer.optim.weight_decay": None,
+    "trainer.algo.kl_coef": lambda v: "a reference model" if v > 0 else "no reference model",
     "trainer.lora": None,  # which tensors the checkpoint holds and what alpha / rank scales them by
 }
 
@@ -291,7 +291,7 @@ def _check_finite_weights(model: dict[str, torch.Tensor], directory: Path) -> No
     if bad:
         raise CheckpointError(f"the trainer's weights are not finite ({len(bad)} tensors, e.g. {bad[0]}): "
                               f"no checkpoint written, {directory} keeps the last one written (if any). "
-                              "Lower trainer.lr or trainer.kl_coef, or look for inf/NaN rewards "
+                              "Lower trainer.lr or trainer.algo.kl_coef, or look for inf/NaN rewards "
                               "(task.rewards, task.reward_weights)")
 
 
@@ -300,7 +300,7 @@ def read_manifest(directory: str | Path) -> dict:
     path = Path(directory) / MANIFEST
     if not path.is_file():
         raise CheckpointError(f"{directory}: not a checkpoint directory (no {MANIFEST} in it). Point "
-                              "trainer.resume at the checkpoint/ directory a run wrote")
+                              "trainer.checkpoint.resume at the checkpoint/ directory a run wrote")
     try:
         manifest = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -333,13 +333,17 @@ def verify_checkpoint(directory: str | Path) -> dict:
 
 
 def read_config(directory: str | Path) -> dict | None:
-    """The resolved config the checkpoint was trained with (None when none was stored)."""
+    """The resolved config the checkpoint was trained with (None when none was stored), in the
+    current layout: a checkpoint written before the trainer keys were grouped has its keys moved
+    through colo_rl.config_moves.OLD_KEYS."""
     path = Path(directory) / CONFIG
     if not path.is_file():
         return None
     from omegaconf import OmegaConf
 
-    return OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    from colo_rl.config_moves import translate
+
+    return translate(OmegaConf.to_container(OmegaConf.load(path), resolve=True))
 
 
 def check_compatible(directory: str | Path, config: dict) -> None:
@@ -362,9 +366,9 @@ def check_compatible(directory: str | Path, config: dict) -> None:
                 differences.append(f"{full_key}={_fmt(new)} (the checkpoint: {_fmt(old)})")
     if differences:
         raise CheckpointError(
-            f"trainer.resume={directory}: this run's config differs from the checkpoint's in "
+            f"trainer.checkpoint.resume={directory}: this run's config differs from the checkpoint's in "
             f"{'; '.join(differences)}. Resume with the checkpoint's values (its config.yaml), or "
-            "start a new run without trainer.resume")
+            "start a new run without trainer.checkpoint.resume")
 
 
 _ABSENT = object()
@@ -406,8 +410,8 @@ def load_checkpoint(directory: str | Path, trainer: TrainerState, *, config: dic
     has_reference = "reference.safetensors" in files
     if has_reference != (trainer.reference is not None):
         raise CheckpointError(
-            f"trainer.resume={directory}: the checkpoint {'has' if has_reference else 'has no'} "
-            f"reference model but trainer.kl_coef={trainer.cfg.kl_coef}. Resume with the kl_coef "
+            f"trainer.checkpoint.resume={directory}: the checkpoint {'has' if has_reference else 'has no'} "
+            f"reference model but trainer.algo.kl_coef={trainer.cfg.algo.kl_coef}. Resume with the kl_coef "
             "the checkpoint was trained with")
     small = _load_small(directory / STATE)
     model = _load_tensors(directory, "model", aliases)
@@ -453,7 +457,7 @@ def _check_shapes(directory: Path, saved: dict[str, torch.Tensor], current: dict
         parts = ([f"shapes differ: {', '.join(wrong[:5])}"] if wrong else []) + \
                 ([f"missing {missing[:5]}"] if missing else []) + \
                 ([f"not in this model {unexpected[:5]}"] if unexpected else [])
-        raise CheckpointError(f"trainer.resume={directory}: model.safetensors does not fit this model "
+        raise CheckpointError(f"trainer.checkpoint.resume={directory}: model.safetensors does not fit this model "
                               f"({'; '.join(parts)}). Resume with the model.* settings the checkpoint "
                               "was trained with (its config.yaml)")
 

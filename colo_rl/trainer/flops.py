@@ -12,8 +12,8 @@ causal, attention as both papers do. Adapted to what colo_rl trains:
   gradients; full fine-tuning gives PaLM's 6 N.
 - The output head is needed at response positions only (the log-prob of each sampled token), so
   its matmul counts there, not at prompt positions; padding counts nowhere.
-- A KL reference forward (trainer.kl_coef > 0) counts as 2 N + 4 L H Q T per token (no backward);
-  each of trainer.updates_per_batch updates counts a forward and backward.
+- A KL reference forward (trainer.algo.kl_coef > 0) counts as 2 N + 4 L H Q T per token (no backward);
+  each of trainer.algo.updates_per_batch updates counts a forward and backward.
 - Recomputation (gradient checkpointing, the chunked head's backward) is not counted: these are
   model FLOPs, not hardware FLOPs, so MFU compares across those settings.
 """
@@ -82,7 +82,7 @@ def step_flops(shape: ModelShape, prompt_lengths: list[int], completion_lengths:
 
 
 def peak_tflops(configured: Optional[float], device: torch.device) -> Optional[float]:
-    """trainer.peak_tflops when set, else the table's dense bf16 peak of this CUDA device; None
+    """trainer.perf.peak_tflops when set, else the table's dense bf16 peak of this CUDA device; None
     (MFU not logged) on a CPU or an unknown GPU."""
     if configured is not None:
         return float(configured)

@@ -33,7 +33,7 @@ from colo_rl.trainer.optim import make_optimizer, scheduled_lr
 from colo_rl.trainer.precision import compute_copies, weight_copies
 
 class TrainingDiverged(RuntimeError):
-    """trainer.max_nonfinite_steps steps in a row had a non-finite loss or gradient norm; none of
+    """trainer.optim.max_nonfinite_steps steps in a row had a non-finite loss or gradient norm; none of
     them changed the trainer, which holds the last finite update's state."""
 
 
@@ -48,21 +48,21 @@ class TrainerOutOfMemory(RuntimeError):
 
 
 def _masked_truncated(cfg: TrainerConfig, truncated: Optional[list[bool]], count: int) -> Optional[torch.Tensor]:
-    """(N,) bool of the completions trainer.mask_truncated leaves out of the loss; None when it is off."""
-    if not cfg.mask_truncated:
+    """(N,) bool of the completions trainer.algo.mask_truncated leaves out of the loss; None when it is off."""
+    if not cfg.algo.mask_truncated:
         return None
     if truncated is None or len(truncated) != count:
-        raise ValueError(f"trainer.mask_truncated=true needs one truncated flag per completion ({count}); "
+        raise ValueError(f"trainer.algo.mask_truncated=true needs one truncated flag per completion ({count}); "
                          f"got {None if truncated is None else len(truncated)}")
     return torch.tensor(truncated, dtype=torch.bool)
 
 
 def _trained_sequences(cfg: TrainerConfig, advantages: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """Indices of the sequences that go through forward and backward: all of them, or with
-    trainer.skip_zero_advantage those whose advantage is not 0 and that have loss tokens (the
+    trainer.algo.skip_zero_advantage those whose advantage is not 0 and that have loss tokens (the
     others add exactly 0 to the loss and the gradient). At least one, so that the optimizer steps
     on a whole zero gradient as it would without skipping (AdamW skips a parameter without one)."""
-    if not cfg.skip_zero_advantage:
+    if not cfg.algo.skip_zero_advantage:
         return torch.arange(advantages.numel())
     trained = ((advantages != 0) & (lengths > 0)).nonzero().reshape(-1)
     return trained if trained.numel() else torch.arange(1)
@@ -72,7 +72,7 @@ class GRPOTrainer:
     """Owns the policy's optimiser (and the frozen reference when KL is on) and runs GRPO steps."""
 
     # Steps whose update was skipped for a non-finite loss or gradient norm: the current run of
-    # them (the runner stops at trainer.max_nonfinite_steps) and all since this trainer was made.
+    # them (the runner stops at trainer.optim.max_nonfinite_steps) and all since this trainer was made.
     nonfinite_in_a_row = 0
     nonfinite_total = 0
 
@@ -80,11 +80,11 @@ class GRPOTrainer:
                  temperature: float, max_tokens: int, device: str, parallel: Parallel | None = None,
                  autocast_dtype: torch.dtype | None = None):
         """`model` is already on `device`, in the dtype its parameters and optimizer state keep (fp32
-        masters under trainer.precision=mixed). `autocast_dtype`: what forward and backward compute
+        masters under trainer.memory.precision=mixed). `autocast_dtype`: what forward and backward compute
         in on a GPU (the engine's dtype under mixed precision); None, and on a CPU, computes in the
         parameters' dtype."""
         self.model = model  # the module whose weights the engine gets
-        if cfg.gradient_checkpointing:
+        if cfg.memory.gradient_checkpointing:
             # use_reentrant=False: recomputation that also works when the inputs need no grad
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             model.train()  # Hugging Face checkpoints activations only in training mode
@@ -93,30 +93,30 @@ class GRPOTrainer:
         self.last_step_flops = 0.0  # model FLOPs of the last train_step
         # Under LoRA the reference is the same model with its adapters disabled: no second copy.
         # Copied before compilation (it only runs forward, without grad); given Liger's kernels below.
-        self.reference = _frozen_copy(model) if cfg.kl_coef > 0 and not is_lora(model) else None
-        # trainer.kernels=auto: Liger's on a GPU where they can run (colo_rl/trainer/kernels.py)
+        self.reference = _frozen_copy(model) if cfg.algo.kl_coef > 0 and not is_lora(model) else None
+        # trainer.perf.kernels=auto: Liger's on a GPU where they can run (colo_rl/trainer/kernels.py)
         model_type = getattr(getattr(model, "config", None), "model_type", None)
-        self.kernels = resolve_kernels(cfg.kernels, device, model_type, cfg.compile)
+        self.kernels = resolve_kernels(cfg.perf.kernels, device, model_type, cfg.perf.compile)
         if self.kernels == "liger":
             apply_liger(model)
             if self.reference is not None:  # the policy's forward computation, kernels included
                 apply_liger(self.reference)
-        if cfg.compile:
+        if cfg.perf.compile:
             compile_layers(model)
         self.forward_model = _wrap(model, self.parallel, device)  # what runs forward/backward
         self.cfg = cfg
-        self.estimator = load_estimator(cfg.advantage_estimator)  # trainer.advantage_estimator
-        self.policy_loss = load_policy_loss(cfg.policy_loss)  # trainer.policy_loss
+        self.estimator = load_estimator(cfg.algo.advantage_estimator)  # trainer.algo.advantage_estimator
+        self.policy_loss = load_policy_loss(cfg.algo.policy_loss)  # trainer.algo.policy_loss
         self.pad_token_id = pad_token_id
         self.temperature = temperature
         self.max_tokens = max_tokens
         self.device = torch.device(device)
-        # each chunk of the output head's logits to log-probs (trainer.logprob_kernel)
-        self.target_logprobs = target_logprob_function(cfg.logprob_kernel, self.device)
-        # trainer.fused_head: the head and the log-softmax as one function (colo_rl/trainer/head.py)
+        # each chunk of the output head's logits to log-probs (trainer.perf.logprob_kernel)
+        self.target_logprobs = target_logprob_function(cfg.perf.logprob_kernel, self.device)
+        # trainer.perf.fused_head: the head and the log-softmax as one function (colo_rl/trainer/head.py)
         # whenever the head is a plain linear layer; None: each chunk through the head module
         self.head_ops = ((compiled_ops() if self.target_logprobs is not _target_logprobs_eager else EAGER)
-                         if cfg.fused_head else None)
+                         if cfg.perf.fused_head else None)
         trainable = [p for p in model.parameters() if p.requires_grad]  # under LoRA: the adapters
         self.trainable_params = sum(p.numel() for p in trainable)
         # fused AdamW (one kernel for all tensors) on a GPU, as transformers' adamw_torch_fused;
@@ -128,9 +128,9 @@ class GRPOTrainer:
             self.autocast_dtype = None  # computing in the parameters' own dtype needs no autocast
         # Under autocast, weights are cast to the compute dtype once per update, not in every
         # micro-batch's forward (see compute_copies): the decoder layers' matmul weights, or with
-        # trainer.fp32_activations=false every weight but the output head's.
-        self.copies = weight_copies(self.autocast_dtype is not None, self.parallel.enabled, cfg.compile,
-                                    is_lora(model), cfg.fp32_activations)
+        # trainer.memory.fp32_activations=false every weight but the output head's.
+        self.copies = weight_copies(self.autocast_dtype is not None, self.parallel.enabled, cfg.perf.compile,
+                                    is_lora(model), cfg.memory.fp32_activations)
         self.step_count = 0
         self._optimizer_touched = False  # set once a train step's first optimizer step begins
 
@@ -141,15 +141,15 @@ class GRPOTrainer:
         """One GRPO step on a batch of groups; returns its train/* metrics.
 
         prompt_ids has one entry per prompt; completion_ids num_prompts * group_size entries,
-        prompt i's group at [i*G:(i+1)*G]. Runs cfg.updates_per_batch optimizer steps, each
+        prompt i's group at [i*G:(i+1)*G]. Runs cfg.algo.updates_per_batch optimizer steps, each
         accumulating micro-batches of cfg.micro_batch_size sequences into the full-batch gradient.
-        `truncated`: which completions reached sampling.max_tokens (trainer.mask_truncated leaves
+        `truncated`: which completions reached sampling.max_tokens (trainer.algo.mask_truncated leaves
         them out of the loss).
         """
         _check_batch(prompt_ids, completion_ids, rewards, group_size, engine_logprobs)
-        if self.cfg.tis_cap is not None and engine_logprobs is None:
-            raise ValueError(f"trainer.tis_cap={self.cfg.tis_cap} needs the engine's sampled log-probs: "
-                             "pass engine_logprobs (sampling.logprobs=true) or set trainer.tis_cap=null")
+        if self.cfg.algo.tis_cap is not None and engine_logprobs is None:
+            raise ValueError(f"trainer.algo.tis_cap={self.cfg.algo.tis_cap} needs the engine's sampled log-probs: "
+                             "pass engine_logprobs (sampling.logprobs=true) or set trainer.algo.tis_cap=null")
         lr = self._set_lr()
         self._optimizer_touched = False
         try:
@@ -159,8 +159,8 @@ class GRPOTrainer:
             if intact:  # only gradients and activations were touched: drop them
                 self.optimizer.zero_grad(set_to_none=True)
             size = micro_batch_size(self.cfg)
-            advice = (f"set trainer.micro_batch_size={max(1, size // 2)} or trainer.gradient_checkpointing=true"
-                      if size > 1 else "set trainer.gradient_checkpointing=true or a smaller sampling.max_tokens")
+            advice = (f"set trainer.micro_batch_size={max(1, size // 2)} or trainer.memory.gradient_checkpointing=true"
+                      if size > 1 else "set trainer.memory.gradient_checkpointing=true or a smaller sampling.max_tokens")
             raise TrainerOutOfMemory(
                 f"the GPU ran out of memory in a train step at trainer.micro_batch_size={size} "
                 f"({str(exc).splitlines()[0] if str(exc) else 'torch.OutOfMemoryError'}): {advice}, and "
@@ -187,7 +187,7 @@ class GRPOTrainer:
             ref = [self._reference_logprobs(mb) for mb in micro]
         old = None
         updates = []
-        for _ in range(self.cfg.updates_per_batch):
+        for _ in range(self.cfg.algo.updates_per_batch):
             stats, logprobs_before = self._update(micro, old, ref, normalizer)
             if old is None:  # the first update's forward saw the policy before any step
                 old = logprobs_before
@@ -196,7 +196,7 @@ class GRPOTrainer:
                 break
         self.last_step_flops = step_flops(self.shape, [len(prompts[i]) for i in trained],
                                           [len(completion_ids[i]) for i in trained], updates=len(updates),
-                                          reference_forward=self.cfg.kl_coef > 0)
+                                          reference_forward=self.cfg.algo.kl_coef > 0)
         skipped = updates[-1]["skipped"]
         self.nonfinite_in_a_row = self.nonfinite_in_a_row + 1 if skipped else 0
         self.nonfinite_total += int(skipped)
@@ -210,19 +210,19 @@ class GRPOTrainer:
         metrics["train/advantage_abs_mean"] = float(advantages.abs().mean())
         if masked is not None:
             metrics["train/truncated_masked"] = float(masked.sum())
-        if self.cfg.skip_zero_advantage:
+        if self.cfg.algo.skip_zero_advantage:
             metrics["train/sequences_skipped"] = float(len(prompts) - len(trained))
         if engine_logprobs is not None:
             metrics["train/engine_logprob_gap"] = _logprob_gap(micro, old)
-        if self.cfg.tis_cap is not None:
-            metrics.update(_tis_stats(micro, old, self.cfg.tis_cap))
+        if self.cfg.algo.tis_cap is not None:
+            metrics.update(_tis_stats(micro, old, self.cfg.algo.tis_cap))
         return metrics
 
     def _set_lr(self) -> float:
         """Puts this step's scheduled lr on every param group. It follows from step_count alone, so a
         resumed run continues the schedule exactly without any scheduler state to checkpoint."""
-        lr = scheduled_lr(self.cfg.lr, self.step_count, schedule=self.cfg.lr_schedule,
-                          warmup_steps=self.cfg.warmup_steps, total_steps=self.cfg.steps)
+        lr = scheduled_lr(self.cfg.lr, self.step_count, schedule=self.cfg.optim.lr_schedule,
+                          warmup_steps=self.cfg.optim.warmup_steps, total_steps=self.cfg.steps)
         for group in self.optimizer.param_groups:
             if isinstance(group["lr"], torch.Tensor):  # torchao's optimizers keep it as a tensor
                 group["lr"].fill_(lr)
@@ -235,24 +235,24 @@ class GRPOTrainer:
         of (its sum / this) averaged over ranks (what DDP and FSDP do) is then the gradient of
         the global batch's loss, exactly as one process would compute it."""
         if not self.parallel.enabled:
-            return loss_normalizer(lengths, self.cfg.loss_agg, self.max_tokens)
+            return loss_normalizer(lengths, self.cfg.algo.loss_agg, self.max_tokens)
         p = self.parallel
-        if self.cfg.loss_agg == "token":
+        if self.cfg.algo.loss_agg == "token":
             total = max(p.all_sum(float(lengths.sum())), 1.0)
-        elif self.cfg.loss_agg == "sequence":
+        elif self.cfg.algo.loss_agg == "sequence":
             total = max(p.all_sum(float((lengths > 0).sum())), 1.0)
         else:
             total = p.all_sum(float(lengths.numel())) * self.max_tokens
         return total / p.world_size
 
     def _micro_batches(self, prompts, completions, advantages, engine, keep=None) -> list[_MicroBatch]:
-        """Micro-batches of cfg.micro_batch_size sequences. With cfg.sort_by_length the sequences go
+        """Micro-batches of cfg.micro_batch_size sequences. With cfg.perf.sort_by_length the sequences go
         in order of length first, so each micro-batch pads to a length near its own: the loss and
         gradient are sums over sequences with the global batch's normalizer, so the grouping
         changes them only by floating-point summation order. `keep` (bool per sequence): False
         masks the whole sequence out of the loss."""
         size = micro_batch_size(self.cfg)
-        if self.cfg.sort_by_length and size < len(completions):
+        if self.cfg.perf.sort_by_length and size < len(completions):
             order = sorted(range(len(completions)), key=lambda i: len(prompts[i]) + len(completions[i]))
             prompts, completions = [prompts[i] for i in order], [completions[i] for i in order]
             advantages = advantages[torch.tensor(order)]
@@ -275,9 +275,9 @@ class GRPOTrainer:
         the GPU once per update, so it queues each micro-batch's kernels while the last one runs."""
         sums = torch.zeros(4, dtype=torch.float64, device=self.device)  # loss, clip, kl, tokens
         logprobs_before = []
-        with compute_copies(self.model, self.autocast_dtype, self.copies, self.cfg.fuse_grad_accumulation):
+        with compute_copies(self.model, self.autocast_dtype, self.copies, self.cfg.perf.fuse_grad_accumulation):
             self._accumulate(micro, old, ref, normalizer, sums, logprobs_before)
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.max_grad_norm)
         if hasattr(norm, "full_tensor"):  # FSDP: the norm over all shards, as a DTensor
             norm = norm.full_tensor()
         loss_sum, clip_sum, kl_sum, tokens, grad_norm = torch.cat(
@@ -306,12 +306,12 @@ class GRPOTrainer:
                 logprobs = self._token_logprobs(self.forward_model, mb)
                 logprobs_before.append(logprobs.detach())
                 old_i = logprobs_before[i] if old is None else old[i]
-                tis = (_tis_ratio(mb, old_i).clamp(max=self.cfg.tis_cap)
-                       if self.cfg.tis_cap is not None else None)
+                tis = (_tis_ratio(mb, old_i).clamp(max=self.cfg.algo.tis_cap)
+                       if self.cfg.algo.tis_cap is not None else None)
                 loss, stats = grpo_loss(logprobs, old_i, mb.advantages, mb.mask,
-                                        clip_eps=self.cfg.clip_eps, clip_eps_high=self.cfg.clip_eps_high,
-                                        loss_agg=self.cfg.loss_agg, max_tokens=self.max_tokens,
-                                        ref_logprobs=ref[i], kl_coef=self.cfg.kl_coef,
+                                        clip_eps=self.cfg.algo.clip_eps, clip_eps_high=self.cfg.algo.clip_eps_high,
+                                        loss_agg=self.cfg.algo.loss_agg, max_tokens=self.max_tokens,
+                                        ref_logprobs=ref[i], kl_coef=self.cfg.algo.kl_coef,
                                         tis_weights=tis, normalizer=normalizer, sync=False,
                                         policy_loss=self.policy_loss)
                 loss.backward()
@@ -321,16 +321,16 @@ class GRPOTrainer:
     def _token_logprobs(self, model: torch.nn.Module, mb: _MicroBatch) -> torch.Tensor:
         """(b, T) log-probs of the response tokens, at the sampling temperature.
 
-        trainer.logprob_chunk > 0: the output head runs only on the response positions, that many
+        trainer.perf.logprob_chunk > 0: the output head runs only on the response positions, that many
         at a time, each chunk's logits recomputed in backward (see _chunked_head); padded positions
         get 0. 0: the whole (b, L, vocab) logits, then log_softmax over the gathered positions."""
         # use_cache=False: Hugging Face models build a KV cache by default, in training too, copying
         # every layer's keys and values into it (torch.cat in DynamicCache.update), for nothing here
         with torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype or torch.bfloat16,
                             enabled=self.autocast_dtype is not None):
-            if self.cfg.logprob_chunk:
+            if self.cfg.perf.logprob_chunk:
                 keep = not logprob_recompute(self.cfg) and torch.is_grad_enabled()  # no backward, nothing kept
-                with _chunked_head(model, mb, self.temperature, self.cfg.logprob_chunk, self.target_logprobs,
+                with _chunked_head(model, mb, self.temperature, self.cfg.perf.logprob_chunk, self.target_logprobs,
                                    self.head_ops, keep_logits=keep):
                     # the patched head returns the (b, T) log-probs in the logits' place
                     return model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
@@ -344,7 +344,7 @@ class GRPOTrainer:
         return picked.log_softmax(dim=-1).gather(-1, targets).squeeze(-1)
 
     def _reference_logprobs(self, mb: _MicroBatch) -> Optional[torch.Tensor]:
-        if self.cfg.kl_coef == 0:
+        if self.cfg.algo.kl_coef == 0:
             return None
         with torch.no_grad():
             if self.reference is not None:
@@ -371,7 +371,7 @@ class GRPOTrainer:
     def load_state_dict(self, state: dict) -> None:
         if ("reference" in state) != (self.reference is not None):
             raise ValueError(f"the checkpoint {'has' if 'reference' in state else 'has no'} reference "
-                             f"model but trainer.kl_coef={self.cfg.kl_coef}: resume with the kl_coef "
+                             f"model but trainer.algo.kl_coef={self.cfg.algo.kl_coef}: resume with the kl_coef "
                              "the checkpoint was trained with")
         self._load_model_state(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])

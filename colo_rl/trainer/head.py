@@ -14,7 +14,7 @@ by hand so that what the generic path does per chunk happens once per call:
   writes their gradient in one pass, (onehot(target) - softmax) * grad / temperature, in the
   logits' dtype.
 
-The values are those of the generic path (trainer.logprob_chunk with activation checkpointing): the
+The values are those of the generic path (trainer.perf.logprob_chunk with activation checkpointing): the
 same matmuls on the same rows, the same fp32 log-sum-exp. `ops` chooses how a chunk's logits become
 log-probs and gradients: eager torch ops (any device), or the same functions through torch.compile
 (Inductor fuses each into a kernel or two reading the bf16 logits).

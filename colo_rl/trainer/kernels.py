@@ -1,18 +1,18 @@
 """Faster training forward and backward, computing the same thing (issue #24's MFU).
 
-trainer.kernels=liger (and `auto`, the default, wherever it can run) swaps the Hugging Face
+trainer.perf.kernels=liger (and `auto`, the default, wherever it can run) swaps the Hugging Face
 model's RMSNorm, SwiGLU MLP and rotary embedding for Liger's fused Triton kernels (liger-kernel,
 as TRL's `use_liger_kernel`): each of those is a chain of elementwise kernels in eager PyTorch,
 most of them reading and writing the whole activation in fp32. Liger's own instance patch leaves
 the attention's q/k norms (OLMo-2) as they were; they are patched here too. Its patch also rebinds
 names in the modeling module, which would reach every model of that type built later in the
 process; here only the patched model (and the KL reference, patched alike) runs them. The output
-head is left alone: colo_rl's chunked head (trainer.logprob_chunk) already avoids the full logits.
+head is left alone: colo_rl's chunked head (trainer.perf.logprob_chunk) already avoids the full logits.
 Fewer passes over the activations make the train step faster and its activations smaller.
-trainer.kernels=liger with trainer.compile=true is refused (TrainerConfig): Dynamo does not trace
+trainer.perf.kernels=liger with trainer.perf.compile=true is refused (TrainerConfig): Dynamo does not trace
 Liger's Triton kernels, and such a model's log-probs differ from the eager model's.
 
-trainer.compile=true compiles each decoder layer with torch.compile (regional compilation: one
+trainer.perf.compile=true compiles each decoder layer with torch.compile (regional compilation: one
 layer's code is compiled once and reused by all of them, so the first step pays seconds, not
 minutes) and fuses whatever elementwise work is left between the matmuls.
 """
@@ -62,8 +62,8 @@ def liger_model_types() -> set[str]:
 
 
 def resolve_kernels(kernels: str, device: str, model_type: str, compile: bool = False) -> str:
-    """trainer.kernels with `auto` resolved: liger where it runs (a CUDA trainer, liger-kernel
-    installed, a model type it knows) and trainer.compile is off (compiled layers fuse the same
+    """trainer.perf.kernels with `auto` resolved: liger where it runs (a CUDA trainer, liger-kernel
+    installed, a model type it knows) and trainer.perf.compile is off (compiled layers fuse the same
     elementwise work, and Dynamo cannot trace Liger's RoPE kernel: no gain together), else
     none. An explicit `liger` that cannot run is refused with a ConfigError naming the key."""
     if kernels == "none":
@@ -73,21 +73,21 @@ def resolve_kernels(kernels: str, device: str, model_type: str, compile: bool = 
     if kernels == "auto":
         return "liger" if installed and cuda and not compile and model_type in liger_model_types() else "none"
     if not installed:
-        raise ConfigError("trainer.kernels=liger needs the package liger-kernel, which is not installed "
-                          "here: pip install 'colo_rl[kernels]', or set trainer.kernels=none")
+        raise ConfigError("trainer.perf.kernels=liger needs the package liger-kernel, which is not installed "
+                          "here: pip install 'colo_rl[kernels]', or set trainer.perf.kernels=none")
     if not cuda:
-        raise ConfigError(f"trainer.kernels=liger runs Triton GPU kernels, but the trainer is on {device}: "
-                          "set trainer.kernels=none (or train on a CUDA GPU)")
+        raise ConfigError(f"trainer.perf.kernels=liger runs Triton GPU kernels, but the trainer is on {device}: "
+                          "set trainer.perf.kernels=none (or train on a CUDA GPU)")
     known = liger_model_types()
     if model_type not in known:
-        raise ConfigError(f"trainer.kernels=liger: liger-kernel has no kernels for model type {model_type!r} "
-                          f"(it knows {', '.join(sorted(known))}): set trainer.kernels=none")
+        raise ConfigError(f"trainer.perf.kernels=liger: liger-kernel has no kernels for model type {model_type!r} "
+                          f"(it knows {', '.join(sorted(known))}): set trainer.perf.kernels=none")
     return "liger"
 
 
 def check_kernels(kernels: str, device: str, model_dir: Path, trust_remote_code: bool = False,
                   compile: bool = False) -> str:
-    """trainer.kernels for this machine and the model in `model_dir` (its config only), before
+    """trainer.perf.kernels for this machine and the model in `model_dir` (its config only), before
     any engine starts: the resolved value, or a ConfigError naming the key."""
     if kernels == "none":
         return "none"
@@ -108,7 +108,7 @@ def apply_liger(model: torch.nn.Module) -> None:
 
     Liger's patch for a model type also rebinds names in the modeling module (its RMSNorm and MLP
     classes, apply_rotary_pos_emb), so every model of that type built afterwards in the process,
-    a `trainer.kernels=none` one or a CPU one included, would run Liger's kernels. Those names are
+    a `trainer.perf.kernels=none` one or a CPU one included, would run Liger's kernels. Those names are
     put back here; the module-level functions Liger swapped in (RoPE) reach this model's modules
     that call them through a subclass whose forward sees Liger's function (same class name)."""
     quiet_liger_discovery()
@@ -171,8 +171,8 @@ def compile_layers(model: torch.nn.Module) -> int:
     different lengths mark the sequence dimension dynamic after the first recompile."""
     layers = decoder_layers(model)
     if not layers:
-        raise ConfigError(f"trainer.compile=true: {type(_hf_model(model)).__name__} names no decoder layer "
-                          "class (_no_split_modules) to compile: set trainer.compile=false")
+        raise ConfigError(f"trainer.perf.compile=true: {type(_hf_model(model)).__name__} names no decoder layer "
+                          "class (_no_split_modules) to compile: set trainer.perf.compile=false")
     for layer in layers:
         layer.compile()
     return len(layers)

@@ -1,6 +1,6 @@
 """The log-prob head: the output head applied to a chunk of response positions at a time
-(trainer.logprob_chunk), each chunk's logits turned into the target tokens' log-probs (eager or
-compiled, trainer.logprob_kernel), or the fused head of colo_rl/trainer/head.py."""
+(trainer.perf.logprob_chunk), each chunk's logits turned into the target tokens' log-probs (eager or
+compiled, trainer.perf.logprob_kernel), or the fused head of colo_rl/trainer/head.py."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def _output_head(model: torch.nn.Module) -> torch.nn.Module:
     head = inner.get_output_embeddings()
     if head is None:
         raise ValueError(f"{type(inner).__name__} has no output head (get_output_embeddings() is None): "
-                         "set trainer.logprob_chunk=0")
+                         "set trainer.perf.logprob_chunk=0")
     return head
 
 def _target_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -45,7 +45,7 @@ def _target_logprobs_compiled():
     return torch.compile(_target_logprobs)
 
 def target_logprob_function(kernel: str, device: torch.device):
-    """trainer.logprob_kernel resolved for `device`: the function each chunk of the output head's
+    """trainer.perf.logprob_kernel resolved for `device`: the function each chunk of the output head's
     logits goes through (auto: compiled on CUDA, eager elsewhere)."""
     if kernel == "compiled" or (kernel == "auto" and device.type == "cuda"):
         return _target_logprobs_compiled()
@@ -68,7 +68,7 @@ def _chunked_head(model: torch.nn.Module, mb: _MicroBatch, temperature: float, c
     than calling the decoder and the head separately) keeps the model's own forward, and with it
     the DDP, FSDP2 and peft hooks around it, exactly as the full path runs them.
 
-    With `head_ops` (trainer.fused_head) and a plain bias-free linear head, the chunks go through
+    With `head_ops` (trainer.perf.fused_head) and a plain bias-free linear head, the chunks go through
     colo_rl.trainer.head.head_logprobs instead: the same values, the weight cast once per call and
     its gradient summed in fp32 by the matmuls."""
     head = _output_head(model)

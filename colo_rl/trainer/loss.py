@@ -26,9 +26,9 @@ def group_advantages(rewards: torch.Tensor, group_size: int, norm: str, eps: flo
         raise ValueError(f"rewards of shape {tuple(rewards.shape)} cannot be split into groups of "
                          f"group_size={group_size}: pass a 1-D tensor of num_prompts * group_size rewards")
     if norm not in ("mean", "std"):
-        raise ValueError(f"advantage norm={norm!r} must be 'mean' or 'std' (trainer.advantage_norm)")
+        raise ValueError(f"advantage norm={norm!r} must be 'mean' or 'std' (trainer.algo.advantage_norm)")
     if std not in ("unbiased", "population"):
-        raise ValueError(f"advantage std={std!r} must be 'unbiased' or 'population' (trainer.advantage_std)")
+        raise ValueError(f"advantage std={std!r} must be 'unbiased' or 'population' (trainer.algo.advantage_std)")
     groups = rewards.to(torch.float64).reshape(-1, group_size)
     constant = groups.amax(dim=1, keepdim=True) == groups.amin(dim=1, keepdim=True)
     advantages = groups - groups.mean(dim=1, keepdim=True)
@@ -51,7 +51,7 @@ def loss_normalizer(lengths: torch.Tensor, loss_agg: str, max_tokens: int) -> fl
         return max(float((lengths > 0).sum()), 1.0)
     if loss_agg == "constant":
         return float(lengths.numel() * max_tokens)
-    raise ValueError(f"loss_agg={loss_agg!r} must be one of {', '.join(LOSS_AGGS)} (trainer.loss_agg)")
+    raise ValueError(f"loss_agg={loss_agg!r} must be one of {', '.join(LOSS_AGGS)} (trainer.algo.loss_agg)")
 
 def ppo_clip(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
              mask: torch.Tensor, *, clip_low: float, clip_high: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,14 +8,14 @@ the optimizer's references to its parameters and its state dict stay valid.
 On CUDA, `restore()` brings parameters, buffers and gradients back before it returns, and the
 optimizer's state (AdamW's moments: two thirds of the bytes) on a side stream, so that those copies
 overlap the next step's scoring and forward/backward instead of lengthening the switch
-(`overlap_restore`, trainer.overlap_restore). The default stream waits for them (`wait()`: on the
+(`overlap_restore`, trainer.memory.overlap_restore). The default stream waits for them (`wait()`: on the
 GPU, without blocking the host) before anything reads that state: optimizer.step and
 optimizer.state_dict call it through hooks, and the next offload does. Code that reads
 `optimizer.state` tensors some other way calls `wait()` first.
 
 `restore_while_awake` lets the switch (colo_rl.switch) restore before the engine sleeps, when
 `fits_beside_engine()` finds room for everything offloaded on the device. It is off for an
-Offloader built by hand; runs take trainer.restore_while_awake, on by default.
+Offloader built by hand; runs take trainer.memory.restore_while_awake, on by default.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ class Offloader:
                  overlap_restore: bool = True, restore_while_awake: bool = False):
         if policy not in POLICY_PARTS:
             raise ValueError(f"offload policy={policy!r} must be one of {', '.join(POLICY_PARTS)} "
-                             "(trainer.offload)")
+                             "(trainer.memory.offload)")
         params = list(model.parameters())
         if not params:
             raise ValueError("Offloader needs a model with parameters: it finds its device from them")

@@ -1,4 +1,4 @@
-"""The optimizer (trainer.optimizer) and the learning-rate schedule (trainer.lr_schedule)."""
+"""The optimizer (trainer.optim.name) and the learning-rate schedule (trainer.optim.lr_schedule)."""
 
 from __future__ import annotations
 
@@ -22,22 +22,22 @@ def scheduled_lr(lr: float, step: int, *, schedule: str, warmup_steps: int, tota
     if schedule == "cosine":
         progress = float(step - warmup_steps) / float(max(1, total_steps - warmup_steps))
         return lr * max(0.0, 0.5 * (1.0 + math.cos(math.pi * 0.5 * 2.0 * progress)))
-    raise ValueError(f"lr schedule={schedule!r} must be constant, linear or cosine (trainer.lr_schedule)")
+    raise ValueError(f"lr schedule={schedule!r} must be constant, linear or cosine (trainer.optim.lr_schedule)")
 
 def make_optimizer(params, cfg: TrainerConfig, fused: bool = False) -> torch.optim.Optimizer:
-    """trainer.optimizer over `params`. Its state takes the parameters' dtype (fp32 under mixed
+    """trainer.optim.name over `params`. Its state takes the parameters' dtype (fp32 under mixed
     precision), except adamw_8bit's block-wise 8-bit moments (bitsandbytes keeps tensors under
     4096 elements, norms and biases, in 32 bits). `fused`: torch's fused AdamW kernel (same
     update as the foreach one up to float rounding; CUDA parameters only)."""
-    kwargs = dict(lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
-    if cfg.optimizer == "adamw":
+    kwargs = dict(lr=cfg.lr, betas=tuple(cfg.optim.betas), weight_decay=cfg.optim.weight_decay)
+    if cfg.optim.name == "adamw":
         return torch.optim.AdamW(params, **kwargs, **({"fused": True} if fused else {}))
-    if cfg.optimizer == "adamw_8bit":
+    if cfg.optim.name == "adamw_8bit":
         import bitsandbytes
 
         return bitsandbytes.optim.AdamW8bit(params, **kwargs)
-    if cfg.optimizer == "adamw_bf16_sr":
+    if cfg.optim.name == "adamw_bf16_sr":
         from torchao.optim import _AdamW
 
         return _AdamW(params, bf16_stochastic_round=True, **kwargs)
-    raise ValueError(f"optimizer={cfg.optimizer!r} unknown (trainer.optimizer)")
+    raise ValueError(f"optimizer={cfg.optim.name!r} unknown (trainer.optim.name)")

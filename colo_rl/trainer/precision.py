@@ -1,5 +1,5 @@
 """Mixed precision's weight copies: compute-dtype copies of the fp32 masters made once per update,
-their gradients added into the masters' .grad (trainer.fuse_grad_accumulation, fp32_activations)."""
+their gradients added into the masters' .grad (trainer.perf.fuse_grad_accumulation, fp32_activations)."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def compute_copies(model: Optional[torch.nn.Module], dtype: Optional[torch.dtype
     used once per forward: one used twice (tied, or the output head under the chunked head, once
     per chunk) would have its two gradients summed in bf16 before the hook.
 
-    fuse_accumulation (trainer.fuse_grad_accumulation): a plain nn.Linear's weight gradient is not
+    fuse_accumulation (trainer.perf.fuse_grad_accumulation): a plain nn.Linear's weight gradient is not
     made in bf16 at all: its backward sums it into the master's fp32 .grad inside the matmul
     (`addmm(..., out_dtype=float32)` on CUDA, Megatron's gradient-accumulation fusion): one pass
     less over each weight per micro-batch, and each micro-batch's gradient is no longer rounded to
@@ -111,7 +111,7 @@ def weight_copies(autocast: bool, parallel: bool, compile: bool, lora: bool, fp3
     """What the trainer's compute_copies (above) copies once per update, for the
     trainer and the memory plan alike: None (autocast casts in every forward) without autocast, and
     where other code holds the parameters (DDP/FSDP hooks, compiled graphs, peft's adapters); else
-    "matmul", or "all" under trainer.fp32_activations=false."""
+    "matmul", or "all" under trainer.memory.fp32_activations=false."""
     if not autocast or parallel or compile or lora:
         return None
     return "matmul" if fp32_activations else "all"

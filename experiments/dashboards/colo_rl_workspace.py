@@ -26,7 +26,7 @@ SECTIONS = ("Timing: phases of a step", "Memory: free GPU memory", "Reward and l
 HOST_KEYS = ("host/trainer_rss_gib", "host/engine_rss_gib", "host/open_fds", "host/child_processes")
 # What a sweep changes (experiments/experiment/memory_fraction_sweep.yaml and the README's
 # lr sweep): W&B config is the resolved Hydra config, so these are its dotted keys.
-SWEEP_CONFIG_KEYS = ("generator.gpu_memory_utilization", "trainer.offload", "trainer.lr",
+SWEEP_CONFIG_KEYS = ("generator.gpu_memory_utilization", "trainer.memory.offload", "trainer.lr",
                      "generator.weight_sync")
 # The run summary holds what MetricsLogger._start_wandb asks define_metric for, per section:
 # {"mean": ...} for timing/*, {"min": ...} for memory/*, {"max": ...} for reward/*; W&B names

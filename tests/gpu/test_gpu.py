@@ -25,6 +25,7 @@ from colo_rl.models import load_policy, write_embedded_model
 from colo_rl.run import train
 from colo_rl.switch import Switch
 from colo_rl.trainer import GRPOTrainer, Offloader
+from tests.configs import trainer_config
 
 from ..conftest import compose_config, engine_processes, small_run_overrides
 from ..trainer.test_offload import state_tensors
@@ -66,7 +67,7 @@ def new_trainer(model_dir: Path, dtype: str) -> GRPOTrainer:
     """A GRPO trainer on the GPU after one step, so that AdamW state exists to be offloaded."""
     model = load_policy(ModelConfig(dtype=dtype, embedded=SMALL), model_dir, "cuda")
     # Hugging Face's own layers (no Liger): the reference the engine's log-probs are held to
-    trainer = GRPOTrainer(model, TrainerConfig(kernels="none"), pad_token_id=0, temperature=1.0,
+    trainer = GRPOTrainer(model, trainer_config(kernels="none"), pad_token_id=0, temperature=1.0,
                           max_tokens=SAMPLED.max_tokens, device="cuda")
     # The math attention kernel's backward is deterministic, so two trainers can be compared bit for bit.
     with sdpa_kernel(SDPBackend.MATH):
@@ -228,17 +229,17 @@ def test_offload_restore_through_the_generator_is_bit_exact(fp32, sync_mode, awa
     assert a.keys() == b.keys()
     unequal = [key for key in a if not torch.equal(a[key], b[key])]
     assert not unequal, f"after the next step these differ from a trainer that never offloaded: {unequal[:5]}"
-    # The AdamW moments came back on the side stream (trainer.overlap_restore, on by default).
+    # The AdamW moments came back on the side stream (trainer.memory.overlap_restore, on by default).
     assert offloader.background_stats()["offloader/restore_background_bytes"] > 0
 
 
 @pytest.mark.parametrize("sync_mode", SYNC_MODES)
 def test_short_grpo_run_finishes_on_the_gpu(tmp_path, sync_mode):
     before = engine_processes()
-    # trainer.offload=all: this test checks the offload cycle, which the memory plan would skip
+    # trainer.memory.offload=all: this test checks the offload cycle, which the memory plan would skip
     # for the tiny trainer (it fits beside the engine: see the test below)
     train(compose_config(*small_run_overrides(tmp_path, f"generator.weight_sync={sync_mode}", "logger=none",
-                                              "trainer.offload=all")))
+                                              "trainer.memory.offload=all")))
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["train/step"] for r in records] == [0, 1, 2]
     keys = ["timing/offload_s", "timing/wake_weights_s", "timing/weight_load_s", "timing/wake_kv_s",
@@ -260,7 +261,7 @@ def test_short_grpo_run_finishes_on_the_gpu(tmp_path, sync_mode):
 
 
 def test_the_default_plan_keeps_a_small_trainer_on_the_gpu_and_predicts_free_memory(tmp_path):
-    """trainer.offload=auto (colo_rl.planner): the tiny trainer fits beside the engine, so nothing is
+    """trainer.memory.offload=auto (colo_rl.planner): the tiny trainer fits beside the engine, so nothing is
     offloaded; the plan's predicted free memory with the engine awake is near the measured one."""
     before = engine_processes()
     train(compose_config(*small_run_overrides(tmp_path, "logger=none")))

@@ -1,6 +1,6 @@
-"""trainer.kernels=liger and trainer.compile on CUDA under trainer.precision=mixed (fp32 masters,
+"""trainer.perf.kernels=liger and trainer.perf.compile on CUDA under trainer.memory.precision=mixed (fp32 masters,
 bf16 autocast): the same log-probs, loss and gradients as the eager Hugging Face model to bf16
-rounding, and so does trainer.fp32_activations=false; every RMSNorm (the attention's q/k norms
+rounding, and so does trainer.memory.fp32_activations=false; every RMSNorm (the attention's q/k norms
 included) runs Liger's; AdamW is fused; the weights cast once per update give the same step bit
 for bit. Skips without CUDA; run on the lent GPU (benchmarks/README.md)."""
 
@@ -11,6 +11,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from colo_rl.config import TrainerConfig
+from tests.configs import trainer_config
 
 from .update import CUDA_ONLY, Update, olmo2_update
 
@@ -20,7 +21,7 @@ LAYERS = 3
 
 
 def step(cast_once: bool = True, **cfg) -> Update:
-    return olmo2_update(TrainerConfig(micro_batch_size=4, **{"kernels": "none", **cfg}), vocab=4096, layers=LAYERS,
+    return olmo2_update(trainer_config(micro_batch_size=4, **{"kernels": "none", **cfg}), vocab=4096, layers=LAYERS,
                         batch=8, prompt=48, completion=80, shorter_by=5, cast_once=cast_once)
 
 
@@ -28,7 +29,7 @@ def step(cast_once: bool = True, **cfg) -> Update:
                          ids=["liger", "compile", "bf16_activations"])
 def test_faster_kernels_give_the_eager_models_step_to_bf16_rounding(cfg):
     eager, fast = step(), step(**cfg)
-    assert fast.trainer.optimizer.defaults.get("fused") is True
+    assert fast.trainer.optim.name.defaults.get("fused") is True
     # compiled layers keep autocast's casts; bf16 activations copy every weight but the head's
     assert fast.trainer.copies == (None if cfg.get("compile") else "all" if "fp32_activations" in cfg else "matmul")
     if cfg.get("kernels") == "liger":
@@ -58,7 +59,7 @@ def test_weights_cast_once_per_update_give_the_same_step_bit_for_bit():
 
 @pytest.mark.parametrize("fp32_activations", [True, False], ids=["autocast", "bf16-activations"])
 def test_fused_gradient_accumulation_changes_only_the_rounding_of_the_weight_gradients(fp32_activations):
-    """trainer.fuse_grad_accumulation (the default): each linear layer's weight gradient is summed
+    """trainer.perf.fuse_grad_accumulation (the default): each linear layer's weight gradient is summed
     into the fp32 master gradient inside its matmul (addmm out_dtype=float32) instead of made in
     bf16 and added.
     Forward is the same computation (the log-probs and loss bit for bit); the linear weights'

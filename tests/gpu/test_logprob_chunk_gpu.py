@@ -1,4 +1,4 @@
-"""trainer.logprob_chunk on CUDA under trainer.precision=mixed (fp32 masters, bf16 autocast): the
+"""trainer.perf.logprob_chunk on CUDA under trainer.memory.precision=mixed (fp32 masters, bf16 autocast): the
 chunked head gives the full path's log-probs, loss and gradients to bf16 rounding, and holds much
 less memory. Skips without CUDA; run on the lent H200 (benchmarks/README.md)."""
 
@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from colo_rl.config import TrainerConfig
+from tests.configs import trainer_config
 
 from .update import CUDA_ONLY, Update, olmo2_update
 
@@ -17,7 +18,7 @@ B = 8
 
 
 def step(chunk: int) -> Update:
-    return olmo2_update(TrainerConfig(logprob_chunk=chunk, micro_batch_size=B), vocab=32768, layers=2, batch=B,
+    return olmo2_update(trainer_config(logprob_chunk=chunk, micro_batch_size=B), vocab=32768, layers=2, batch=B,
                         prompt=64, completion=192, shorter_by=7)
 
 
@@ -35,14 +36,14 @@ def test_chunked_bf16_autocast_matches_the_full_logits_and_peaks_lower():
 
 
 def test_compiled_log_softmax_of_the_chunks_matches_the_eager_ops_and_holds_no_more():
-    """trainer.logprob_kernel: on CUDA `auto` is the torch.compile'd function; against the eager
+    """trainer.perf.logprob_kernel: on CUDA `auto` is the torch.compile'd function; against the eager
     ops on the same bf16 logits (chunks of 512 and a shorter last one) the fp32 log-probs, loss
     and gradients agree to fp32 rounding of the reductions, and the compiled backward keeps no
     more memory."""
     from colo_rl.trainer.logprobs import _target_logprobs_compiled
 
     def chunked(kernel: str) -> Update:
-        return olmo2_update(TrainerConfig(logprob_chunk=512, micro_batch_size=B, logprob_kernel=kernel),
+        return olmo2_update(trainer_config(logprob_chunk=512, micro_batch_size=B, logprob_kernel=kernel),
                             vocab=32768, layers=2, batch=B, prompt=64, completion=192, shorter_by=7)
 
     compiled, eager = chunked("auto"), chunked("eager")
@@ -61,13 +62,13 @@ def test_compiled_log_softmax_of_the_chunks_matches_the_eager_ops_and_holds_no_m
 
 @pytest.mark.parametrize("fp32_activations", [True, False], ids=["autocast", "bf16-activations"])
 def test_the_fused_head_matches_the_generic_chunks_and_holds_no_more(fp32_activations):
-    """trainer.fused_head (the default) against each chunk through the head module under
+    """trainer.perf.fused_head (the default) against each chunk through the head module under
     checkpointing, bf16 compute with fp32 masters: the same bf16 logits and fp32 reductions, so the
     log-probs and loss agree to the rounding of differently shaped bf16 matmuls; the head's weight
     gradient is summed in fp32 inside the matmuls (the generic path adds bf16 chunk gradients), so
     gradients agree to bf16 rounding. The fused path keeps no more memory."""
     def chunked(fused: bool) -> Update:
-        return olmo2_update(TrainerConfig(logprob_chunk=512, micro_batch_size=B, fused_head=fused,
+        return olmo2_update(trainer_config(logprob_chunk=512, micro_batch_size=B, fused_head=fused,
                                           fp32_activations=fp32_activations),
                             vocab=32768, layers=2, batch=B, prompt=64, completion=192, shorter_by=7)
 

@@ -1,4 +1,4 @@
-"""LoRA on the GPU: a short bf16 run with fp32 adapters (trainer.precision=mixed), the merged
+"""LoRA on the GPU: a short bf16 run with fp32 adapters (trainer.memory.precision=mixed), the merged
 weights pushed by cuda_ipc, and the KL reference with the adapters disabled. Run it on the lent
 H200 (benchmarks/README.md); about 90 s, most of it the engine's start."""
 
@@ -27,7 +27,7 @@ def test_a_bf16_lora_run_pushes_merged_weights_the_engine_agrees_with(tmp_path):
     before = engine_processes()
     train(compose_config(*small_run_overrides(
         tmp_path, "logger=none", "model.dtype=bfloat16", "generator.weight_sync=cuda_ipc",
-        "trainer.lora.rank=8", "trainer.lr=1e-2", "trainer.kl_coef=0.05",
+        "trainer.lora.rank=8", "trainer.lr=1e-2", "trainer.algo.kl_coef=0.05",
         "sampling.logprobs_every=1")))  # the engine's log-probs on every step, for the gap below
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["train/step"] for r in records] == [0, 1, 2]

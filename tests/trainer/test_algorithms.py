@@ -1,5 +1,5 @@
 """The named estimators and policy losses against verl's own code, their loader, and the trainer's
-options that leave sequences out (trainer.skip_zero_advantage, trainer.mask_truncated).
+options that leave sequences out (trainer.algo.skip_zero_advantage, trainer.algo.mask_truncated).
 
 The expected values were computed by tests/trainer/algorithms_reference.py with verl 0.9.1's
 verl/trainer/ppo/core_algos.py and TRL 1.16.0's trl/trainer/grpo_trainer.py (the functions named
@@ -15,6 +15,7 @@ from colo_rl.config import ConfigError, ModelConfig, TrainerConfig
 from colo_rl.models import load_policy, write_embedded_model
 from colo_rl.trainer import GRPOTrainer, grpo_loss
 from colo_rl.trainer.algorithms import gspo, load_estimator, load_policy_loss, ppo_clip, rloo
+from tests.configs import trainer_config
 
 from .algorithms_reference import (CLIP_HIGH, CLIP_LOW, GROUP, GSPO_CLIP_HIGH, GSPO_CLIP_LOW, LENGTHS, MAX_TOKENS,
                                    REWARDS, policy_case, probe)
@@ -66,7 +67,7 @@ TRL_LOSSES = {
 def test_each_estimator_matches_verl(name, norm):
     estimator = load_estimator(name)
     advantages = estimator(torch.tensor(REWARDS, dtype=torch.float64), GROUP, lengths=torch.tensor(LENGTHS),
-                           cfg=TrainerConfig(advantage_norm=norm))
+                           cfg=trainer_config(advantage_norm=norm))
     torch.testing.assert_close(advantages, torch.tensor(ESTIMATORS[name, norm], dtype=torch.float64),
                                rtol=0, atol=1e-6)
 
@@ -109,9 +110,9 @@ def test_parts_load_by_short_name_or_import_path_and_bad_ones_name_the_key(tmp_p
     monkeypatch.chdir(tmp_path)
     monkeypatch.delitem(sys.modules, "my_algos", raising=False)
     assert load_estimator("my_algos:half")(torch.ones(2), 2, lengths=None, cfg=None).tolist() == [0.5, 0.5]
-    with pytest.raises(ConfigError, match=r"^trainer.advantage_estimator: 'rlooo' is not an import path.*rloo"):
+    with pytest.raises(ConfigError, match=r"^trainer.algo.advantage_estimator: 'rlooo' is not an import path.*rloo"):
         load_estimator("rlooo")
-    with pytest.raises(ConfigError, match=r"^trainer.policy_loss: 'my_algos:nope'.*no callable 'nope'"):
+    with pytest.raises(ConfigError, match=r"^trainer.algo.policy_loss: 'my_algos:nope'.*no callable 'nope'"):
         load_policy_loss("my_algos:nope")
 
 
@@ -123,7 +124,7 @@ def model_dir(tmp_path_factory):
 def _trainer(model_dir, **overrides) -> GRPOTrainer:
     torch.manual_seed(0)
     model = load_policy(ModelConfig(), model_dir, "cpu")
-    return GRPOTrainer(model, TrainerConfig(micro_batch_size=2, **overrides), pad_token_id=0, temperature=1.0,
+    return GRPOTrainer(model, trainer_config(micro_batch_size=2, **overrides), pad_token_id=0, temperature=1.0,
                        max_tokens=4, device="cpu")
 
 
@@ -172,7 +173,7 @@ def test_truncated_completions_are_masked_out_of_the_loss_on_request(model_dir):
 
 
 def test_the_trainer_trains_with_the_policy_loss_it_is_given(model_dir, tmp_path, monkeypatch):
-    """trainer.policy_loss reaches the loss of a train step (the merge of the named parts once loaded
+    """trainer.algo.policy_loss reaches the loss of a train step (the merge of the named parts once loaded
     it and trained with ppo_clip all the same): a user's loss that doubles ppo_clip's per-token term
     doubles the loss and every gradient."""
     (tmp_path / "doubled_loss.py").write_text(

@@ -15,7 +15,8 @@ from safetensors.torch import load_file
 from colo_rl.config import EmbeddedModelConfig, ModelConfig, TrainerConfig
 from colo_rl.models import load_policy, write_embedded_model
 from colo_rl.trainer import CheckpointError, GRPOTrainer, load_checkpoint, save_checkpoint
-from colo_rl.trainer.checkpoint import check_compatible, read_manifest
+from colo_rl.trainer.checkpoint import check_compatible, read_config, read_manifest
+from tests.configs import old_layout, trainer_config
 
 from ..conftest import compose_config
 
@@ -31,7 +32,7 @@ def model_dir(tmp_path_factory):
 
 def make_trainer(model_dir, **overrides) -> GRPOTrainer:
     model = load_policy(ModelConfig(), model_dir, "cpu")
-    return GRPOTrainer(model, TrainerConfig(**overrides), pad_token_id=0, temperature=1.0,
+    return GRPOTrainer(model, trainer_config(**overrides), pad_token_id=0, temperature=1.0,
                        max_tokens=8, device="cpu")
 
 
@@ -71,7 +72,7 @@ def test_a_resumed_trainer_continues_exactly_like_an_uninterrupted_one(model_dir
 def test_the_checkpoint_describes_itself_and_its_weights_need_no_pickle(model_dir, tmp_path):
     trainer = make_trainer(model_dir, kl_coef=0.1)
     step(trainer, FIRST)
-    config = config_of("trainer.kl_coef=0.1")
+    config = config_of("trainer.algo.kl_coef=0.1")
     path = save_checkpoint(tmp_path / "ckpt", trainer, {"step": 1}, config=config, model_dir=model_dir)
     manifest = read_manifest(path)
     assert manifest["step"] == 1 and manifest["kind"] == "full"
@@ -198,7 +199,7 @@ def test_extra_that_could_not_be_loaded_back_is_refused_at_save_time(model_dir, 
 
 def test_a_checkpoint_with_a_reference_does_not_load_into_a_trainer_without_kl(model_dir, tmp_path):
     save_checkpoint(tmp_path, make_trainer(model_dir, kl_coef=0.1), {})
-    with pytest.raises(CheckpointError, match="has reference model but trainer.kl_coef=0.0"):
+    with pytest.raises(CheckpointError, match="has reference model but trainer.algo.kl_coef=0.0"):
         load_checkpoint(tmp_path, make_trainer(model_dir))
 
 
@@ -209,10 +210,23 @@ def test_resume_with_another_model_shape_or_optimizer_is_refused_naming_the_keys
     with pytest.raises(CheckpointError, match=r"model.embedded.hidden_size=256 \(the checkpoint: 128\)"):
         check_compatible(path, config_of("model.embedded.hidden_size=256"))
     with pytest.raises(CheckpointError, match=r"trainer.lr=0.1 \(the checkpoint: 0.001\); "
-                                              r"trainer.betas=\[0.8, 0.9\]"):
-        check_compatible(path, config_of("trainer.lr=0.1", "trainer.betas=[0.8,0.9]"))
-    with pytest.raises(CheckpointError, match="trainer.kl_coef=a reference model"):
-        check_compatible(path, config_of("trainer.kl_coef=0.1"))
+                                              r"trainer.optim.betas=\[0.8, 0.9\]"):
+        check_compatible(path, config_of("trainer.lr=0.1", "trainer.optim.betas=[0.8,0.9]"))
+    with pytest.raises(CheckpointError, match="trainer.algo.kl_coef=a reference model"):
+        check_compatible(path, config_of("trainer.algo.kl_coef=0.1"))
+
+
+def test_a_checkpoint_written_before_the_trainer_keys_moved_resumes_and_is_compared_by_its_values(model_dir,
+                                                                                                    tmp_path):
+    config = config_of("trainer.algo.kl_coef=0.1")
+    old = old_layout(config)  # the config.yaml of a checkpoint written in the flat layout
+    assert "optimizer" in old["trainer"] and "optim" not in old["trainer"]
+    path = save_checkpoint(tmp_path / "ckpt", make_trainer(model_dir, kl_coef=0.1), {}, config=old)
+    assert read_config(path) == config
+    check_compatible(path, config)
+    with pytest.raises(CheckpointError, match=r"trainer.optim.name=adamw_8bit \(the checkpoint: adamw\); "
+                                              r"trainer.algo.kl_coef=no reference model"):
+        check_compatible(path, config_of("trainer.optim.name=adamw_8bit"))
 
 
 def test_tensors_that_do_not_fit_the_model_are_named(model_dir, tmp_path):
@@ -228,7 +242,7 @@ def test_tensors_that_do_not_fit_the_model_are_named(model_dir, tmp_path):
 
 
 def test_a_background_write_holds_the_state_of_its_snapshot_not_of_later_steps(model_dir, tmp_path):
-    """trainer.checkpoint_background: the snapshot is the checkpoint, whatever the run does while it
+    """trainer.checkpoint.background: the snapshot is the checkpoint, whatever the run does while it
     is written; the files are those a direct save of that moment writes (tied weights included)."""
     from colo_rl.trainer.checkpoint import BackgroundWriter, snapshot
 

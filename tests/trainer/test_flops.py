@@ -13,6 +13,7 @@ from colo_rl.lora import apply_lora
 from colo_rl.run import train
 from colo_rl.trainer import GRPOTrainer
 from colo_rl.trainer.flops import ModelShape, peak_tflops, perf_metrics, step_flops
+from tests.configs import trainer_config
 
 from ..conftest import compose_config, small_run_overrides
 
@@ -77,7 +78,7 @@ def test_peak_and_metrics():
 
 def test_a_run_with_peak_tflops_logs_mfu_and_shows_it(tmp_path, engine, capsys):
     train(compose_config(*small_run_overrides(tmp_path, "logger=none", "trainer.steps=2",
-                                              "trainer.peak_tflops=0.5")), engine)
+                                              "trainer.perf.peak_tflops=0.5")), engine)
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "reward/mean" in r]
     assert len(steps) == 2
@@ -97,5 +98,5 @@ def test_without_a_peak_on_a_cpu_no_mfu_is_logged(tmp_path, engine):
 def test_a_non_positive_peak_is_refused_naming_the_key():
     from colo_rl.config import ConfigError
 
-    with pytest.raises(ConfigError, match="trainer.peak_tflops=0"):
-        TrainerConfig(peak_tflops=0)
+    with pytest.raises(ConfigError, match="trainer.perf.peak_tflops=0"):
+        trainer_config(peak_tflops=0)

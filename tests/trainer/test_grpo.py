@@ -9,6 +9,7 @@ from colo_rl.config import ModelConfig, TrainerConfig
 from colo_rl.models import load_policy, write_embedded_model
 from colo_rl.trainer import GRPOTrainer, group_advantages, grpo_loss, loss_normalizer
 from colo_rl.trainer.optim import scheduled_lr
+from tests.configs import trainer_config
 
 PROMPTS = [[5, 6, 7], [8, 9]]
 GROUP = 3
@@ -25,7 +26,7 @@ def model_dir(tmp_path_factory):
 
 def make_trainer(model_dir, temperature=1.0, **overrides) -> GRPOTrainer:
     model = load_policy(ModelConfig(), model_dir, "cpu")
-    return GRPOTrainer(model, TrainerConfig(**overrides), pad_token_id=0, temperature=temperature,
+    return GRPOTrainer(model, trainer_config(**overrides), pad_token_id=0, temperature=temperature,
                        max_tokens=8, device="cpu")
 
 
@@ -79,9 +80,9 @@ def test_group_advantages_of_identical_rewards_are_zero_and_bad_shapes_are_refus
     assert torch.equal(group_advantages(torch.ones(4), 1, "std"), torch.zeros(4))  # no NaN at n=1
     with pytest.raises(ValueError, match="group_size=3"):
         group_advantages(torch.ones(4), 3, "mean")
-    with pytest.raises(ValueError, match="trainer.advantage_norm"):
+    with pytest.raises(ValueError, match="trainer.algo.advantage_norm"):
         group_advantages(torch.ones(4), 2, "median")
-    with pytest.raises(ValueError, match="trainer.advantage_std"):
+    with pytest.raises(ValueError, match="trainer.algo.advantage_std"):
         group_advantages(torch.ones(4), 2, "std", std="sample")
 
 
@@ -180,7 +181,7 @@ def test_the_trainer_weights_each_token_by_its_capped_engine_ratio_and_logs_it(m
     assert metrics["train/loss"] == pytest.approx(expected, rel=1e-4)
     assert metrics["train/tis_ratio_mean"] == pytest.approx(sum(map(sum, w)) / tokens, rel=1e-4)
     assert metrics["train/tis_capped_frac"] == sum(x > 2.0 for ws in w for x in ws) / tokens
-    with pytest.raises(ValueError, match="trainer.tis_cap=2.0 needs the engine's sampled log-probs"):
+    with pytest.raises(ValueError, match="trainer.algo.tis_cap=2.0 needs the engine's sampled log-probs"):
         trainer.train_step(PROMPTS, COMPLETIONS, REWARDS, GROUP)
     untouched = make_trainer(model_dir).train_step(PROMPTS, COMPLETIONS, REWARDS, GROUP, engine_logprobs=engine)
     assert "train/tis_ratio_mean" not in untouched
@@ -431,7 +432,7 @@ def test_running_out_of_gpu_memory_says_what_to_change_and_whether_the_state_is_
     hook = trainer.model.register_forward_pre_hook(second_forward_fails)
     with pytest.raises(TrainerOutOfMemory, match=r"at trainer.micro_batch_size=2 \(CUDA out of memory. Tried "
                                                  r"to allocate 2.00 GiB\): set trainer.micro_batch_size=1 or "
-                                                 r"trainer.gradient_checkpointing=true") as info:
+                                                 r"trainer.memory.gradient_checkpointing=true") as info:
         trainer.train_step(PROMPTS, COMPLETIONS, REWARDS, GROUP)
     hook.remove()
     assert info.value.state_intact and isinstance(info.value.__cause__, torch.OutOfMemoryError)

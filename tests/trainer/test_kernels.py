@@ -1,4 +1,4 @@
-"""trainer.compile and trainer.kernels (colo_rl/trainer/kernels.py): the same log-probs, loss and
+"""trainer.perf.compile and trainer.perf.kernels (colo_rl/trainer/kernels.py): the same log-probs, loss and
 gradients as the eager model; bad settings refused naming the key. Liger's Triton kernels run only
 on CUDA: tests/gpu/test_kernels_gpu.py checks them there."""
 
@@ -12,6 +12,7 @@ from colo_rl.models import load_policy, write_embedded_model
 from colo_rl.trainer import GRPOTrainer
 from colo_rl.trainer.loss import grpo_loss
 from colo_rl.trainer.kernels import apply_liger, check_kernels, decoder_layers, resolve_kernels
+from tests.configs import trainer_config
 
 from ..conftest import update_recording_grads
 
@@ -29,7 +30,7 @@ def model_dir(tmp_path_factory):
 def update(model_dir, **cfg):
     """One update's log-probs, stats and gradients (SGD at lr 0: the parameters stay)."""
     torch.manual_seed(0)
-    t = GRPOTrainer(load_policy(ModelConfig(), model_dir, "cpu"), TrainerConfig(micro_batch_size=3, **cfg),
+    t = GRPOTrainer(load_policy(ModelConfig(), model_dir, "cpu"), trainer_config(micro_batch_size=3, **cfg),
                     pad_token_id=0, temperature=0.7, max_tokens=8, device="cpu")
     micro = t._micro_batches([p for p in PROMPTS for _ in range(GROUP)], COMPLETIONS,
                              torch.tensor(REWARDS) - 0.4, None)
@@ -72,7 +73,7 @@ def test_the_loss_statistics_without_a_host_sync_equal_the_synced_ones():
 
 
 def test_liger_kernels_are_refused_off_cuda_naming_the_key(model_dir):
-    with pytest.raises(ConfigError, match="trainer.kernels=liger runs Triton GPU kernels, but the trainer is on cpu"):
+    with pytest.raises(ConfigError, match="trainer.perf.kernels=liger runs Triton GPU kernels, but the trainer is on cpu"):
         check_kernels("liger", "cpu", model_dir)
     check_kernels("none", "cpu", model_dir)  # the default asks for nothing
 
@@ -84,13 +85,13 @@ def test_auto_picks_liger_only_where_it_can_run():
     assert resolve_kernels("auto", "cuda:0", "olmo2") == "liger"  # liger-kernel is a test dependency
     assert resolve_kernels("auto", "cuda:0", "olmo2", compile=True) == "none"  # compiled layers fuse it
     assert resolve_kernels("liger", "cuda", "llama") == "liger"
-    with pytest.raises(ConfigError, match="trainer.kernels=liger: liger-kernel has no kernels for model type 'nope'"):
+    with pytest.raises(ConfigError, match="trainer.perf.kernels=liger: liger-kernel has no kernels for model type 'nope'"):
         resolve_kernels("liger", "cuda", "nope")
 
 
 def test_unknown_kernels_are_refused_naming_the_key():
-    with pytest.raises(ConfigError, match="trainer.kernels"):
-        TrainerConfig(kernels="flash")
+    with pytest.raises(ConfigError, match="trainer.perf.kernels"):
+        trainer_config(kernels="flash")
 
 
 def test_liger_patches_the_model_it_is_given_and_no_other(model_dir):

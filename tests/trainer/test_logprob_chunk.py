@@ -1,4 +1,4 @@
-"""trainer.logprob_chunk: the output head over chunks of response positions (never the full
+"""trainer.perf.logprob_chunk: the output head over chunks of response positions (never the full
 (b, L, vocab) logits) gives the full path's log-probs, loss and gradients."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from colo_rl.lora import apply_lora
 from colo_rl.models import load_policy, write_embedded_model
 from colo_rl.trainer import GRPOTrainer
 from colo_rl.trainer.logprobs import _output_head
+from tests.configs import trainer_config
 
 from ..conftest import update_recording_grads
 
@@ -44,7 +45,7 @@ def policy(model_dir, lora=None):
 
 
 def trainer(model, chunk, temperature=0.7, **cfg):
-    return GRPOTrainer(model, TrainerConfig(logprob_chunk=chunk, **cfg), pad_token_id=0,
+    return GRPOTrainer(model, trainer_config(logprob_chunk=chunk, **cfg), pad_token_id=0,
                        temperature=temperature, max_tokens=8, device="cpu")
 
 
@@ -113,12 +114,12 @@ def test_all_empty_completions_still_step_and_the_head_is_restored(model_dir):
 def test_a_negative_chunk_is_refused_naming_the_key():
     from colo_rl.config import ConfigError
 
-    with pytest.raises(ConfigError, match="trainer.logprob_chunk=-1"):
-        TrainerConfig(logprob_chunk=-1)
+    with pytest.raises(ConfigError, match="trainer.perf.logprob_chunk=-1"):
+        trainer_config(logprob_chunk=-1)
 
 
 def test_sorting_by_length_pads_less_and_gives_the_same_step(model_dir):
-    """trainer.sort_by_length: micro-batches of similar lengths compute fewer padded positions;
+    """trainer.perf.sort_by_length: micro-batches of similar lengths compute fewer padded positions;
     the metrics and the SGD step equal those of batch order to float summation order."""
     prompts = [[5, 6, 7, 8, 9, 10], [8], [10, 11]]
     completions = [[14 + j for j in range((i * 5) % 7)] for i in range(len(prompts) * GROUP)]
@@ -143,7 +144,7 @@ def test_sorting_by_length_pads_less_and_gives_the_same_step(model_dir):
 
 
 def test_compiled_log_softmax_of_the_chunks_gives_the_full_paths_loss_and_gradients(model_dir):
-    """trainer.logprob_kernel=compiled (the default on CUDA): each chunk's logits go through one
+    """trainer.perf.logprob_kernel=compiled (the default on CUDA): each chunk's logits go through one
     torch.compile'd function, under the chunk's activation checkpointing; chunks of 5 leave a
     shorter last one (the dynamic size). Same log-probs, loss and gradients as the full logits."""
     from colo_rl.trainer.logprobs import _target_logprobs_compiled, _target_logprobs_eager
@@ -164,10 +165,10 @@ def test_compiled_log_softmax_of_the_chunks_gives_the_full_paths_loss_and_gradie
 @pytest.mark.parametrize("recompute", [True, False], ids=["recompute", "keep-logits"])
 @pytest.mark.parametrize("lora", [None, ["q_proj", "v_proj"]], ids=["full", "lora"])
 def test_the_fused_head_gives_the_generic_chunks_loss_and_gradients(model_dir, lora, recompute):
-    """trainer.fused_head (the default): the head and the log-softmax as one autograd function
+    """trainer.perf.fused_head (the default): the head and the log-softmax as one autograd function
     give what each chunk through the head module under checkpointing gives, at a temperature,
     with the head trained (full) and frozen (LoRA elsewhere), its logits recomputed in backward
-    (the default) or kept (trainer.logprob_recompute=false)."""
+    (the default) or kept (trainer.memory.logprob_recompute=false)."""
     from colo_rl.trainer.head import fusable
 
     fused_trainer = trainer(policy(model_dir, lora), 5, micro_batch_size=4, logprob_recompute=recompute)

@@ -105,7 +105,7 @@ def test_policy_optimizer_leaves_the_weights_and_none_moves_nothing(model_dir):
     offloader = Offloader(trainer.model, trainer.optimizer, "none")
     assert offloader.offload()["bytes"] == 0.0 and offloader.offloaded == set()
     assert all(t.data_ptr() == before[k][0] for k, t in state_tensors(trainer).items())
-    with pytest.raises(ValueError, match="trainer.offload"):
+    with pytest.raises(ValueError, match="trainer.memory.offload"):
         Offloader(trainer.model, trainer.optimizer, "weights")
 
 

@@ -8,12 +8,13 @@ import math
 import pytest
 import torch
 
-from colo_rl.config import ConfigError, GeneratorConfig, ModelConfig, SamplingConfig, TrainerConfig, validate
+from colo_rl.config import ConfigError, GeneratorConfig, ModelConfig, OptimConfig, SamplingConfig, TrainerConfig, validate
 from colo_rl.generator import VLLMGenerator
 from colo_rl.models import load_policy, write_embedded_model
 from colo_rl.run import train
 from colo_rl.switch import Switch
 from colo_rl.trainer import GRPOTrainer, load_checkpoint
+from tests.configs import trainer_config
 
 from ..conftest import compose_config, small_run_overrides
 
@@ -45,12 +46,12 @@ def steps_of(trainer: GRPOTrainer, steps: int) -> float:
 
 
 def test_fp32_masters_move_at_lr_1e_6_where_pure_bf16_rounds_most_updates_away(bf16_model_dir):
-    """The reason trainer.precision exists: 8 AdamW steps at lr 1e-6 from the same start."""
+    """The reason trainer.memory.precision exists: 8 AdamW steps at lr 1e-6 from the same start."""
     fractions = {}
     for precision, dtype in (("mixed", "float32"), ("pure", "bfloat16")):
         torch.manual_seed(0)
         model = load_policy(BF16, bf16_model_dir, "cpu", dtype=dtype)
-        trainer = GRPOTrainer(model, TrainerConfig(lr=1e-6, precision=precision), pad_token_id=0,
+        trainer = GRPOTrainer(model, trainer_config(lr=1e-6, precision=precision), pad_token_id=0,
                               temperature=1.0, max_tokens=8, device="cpu", autocast_dtype=torch.bfloat16)
         assert next(trainer.model.parameters()).dtype == getattr(torch, dtype)
         assert all(v.dtype == getattr(torch, dtype) for s in trainer.optimizer.state.values()
@@ -71,16 +72,16 @@ def test_auto_precision_is_mixed_for_16_bit_engines_and_pure_for_fp32():
     assert (trainer_precision(fp16), trainer_dtype(fp16)) == ("mixed", "float32")
     fp32 = validate(compose_config())
     assert (trainer_precision(fp32), trainer_dtype(fp32)) == ("pure", "float32")
-    pure = validate(compose_config("model.dtype=bfloat16", "trainer.precision=pure"))
+    pure = validate(compose_config("model.dtype=bfloat16", "trainer.memory.precision=pure"))
     assert trainer_dtype(pure) == "bfloat16"
 
 
 @pytest.mark.parametrize("overrides, match", [
-    (["trainer.precision=fp8"], r"trainer.precision='fp8' must be one of auto, mixed, pure"),
-    (["trainer.optimizer=sgd"], r"trainer.optimizer='sgd' must be one of adamw, adamw_8bit, adamw_bf16_sr"),
-    (["trainer.optimizer=adamw_bf16_sr"], r"trainer.optimizer=adamw_bf16_sr .* model.dtype=float32 .*"
-                                          r"set model.dtype=bfloat16 trainer.precision=pure"),
-    (["trainer.optimizer=adamw_bf16_sr", "model.dtype=bfloat16"], r"trainer.precision=auto"),
+    (["trainer.memory.precision=fp8"], r"trainer.memory.precision='fp8' must be one of auto, mixed, pure"),
+    (["trainer.optim.name=sgd"], r"trainer.optim.name='sgd' must be one of adamw, adamw_8bit, adamw_bf16_sr"),
+    (["trainer.optim.name=adamw_bf16_sr"], r"trainer.optim.name=adamw_bf16_sr .* model.dtype=float32 .*"
+                                          r"set model.dtype=bfloat16 trainer.memory.precision=pure"),
+    (["trainer.optim.name=adamw_bf16_sr", "model.dtype=bfloat16"], r"trainer.memory.precision=auto"),
 ])
 def test_precision_and_optimizer_that_cannot_work_are_refused_naming_the_key(overrides, match):
     with pytest.raises(ConfigError, match=match):
@@ -96,7 +97,7 @@ def test_each_optimizer_choice_trains_and_keeps_its_state_small(bf16_model_dir, 
     dtype = "float32" if precision == "mixed" else "bfloat16"
     model = load_policy(BF16, bf16_model_dir, "cpu", dtype=dtype)
     # 8-bit state is block-wise for tensors of 4096 elements or more: give it one to quantise
-    cfg = TrainerConfig(lr=1e-3, optimizer=optimizer, precision=precision)
+    cfg = trainer_config(lr=1e-3, optim=OptimConfig(name=optimizer), precision=precision)
     trainer = GRPOTrainer(model, cfg, pad_token_id=0, temperature=1.0, max_tokens=8, device="cpu")
     fraction = steps_of(trainer, 2)
     assert fraction > 0.5, fraction
@@ -112,7 +113,7 @@ def test_gradient_checkpointing_gives_the_same_loss_and_gradient_norm(bf16_model
     metrics = []
     for checkpointing in (False, True):
         model = load_policy(ModelConfig(), bf16_model_dir, "cpu", dtype="float32")
-        trainer = GRPOTrainer(model, TrainerConfig(gradient_checkpointing=checkpointing, lr=1e-3),
+        trainer = GRPOTrainer(model, trainer_config(gradient_checkpointing=checkpointing, lr=1e-3),
                               pad_token_id=0, temperature=1.0, max_tokens=8, device="cpu")
         assert model.is_gradient_checkpointing == checkpointing
         metrics.append(trainer.train_step(PROMPTS, COMPLETIONS, REWARDS, GROUP))
@@ -214,12 +215,12 @@ def test_compute_copies_give_the_gradients_of_the_model_they_emulate_bit_for_bit
                                                                                  fuse):
     """Mixed precision casts weights to bf16 once per update (compute_copies), not in every
     micro-batch's forward, and adds each bf16 weight gradient into the fp32 .grad in one pass.
-    scope "matmul" (trainer.fp32_activations=true): the gradients are autocast's own on the fp32
+    scope "matmul" (trainer.memory.fp32_activations=true): the gradients are autocast's own on the fp32
     model, bit for bit. "all" (false): those of the model with every weight but the output head in
     bf16 (verl's and Megatron's mixed precision), summed over micro-batches in fp32. With
     activations recomputed in backward too; the masters are the model's parameters afterwards. CPU
     autocast here; tests/gpu/test_kernels_gpu.py compares whole trainer updates on CUDA.
-    fused-accumulation (trainer.fuse_grad_accumulation): the linear layers' weight gradients go
+    fused-accumulation (trainer.perf.fuse_grad_accumulation): the linear layers' weight gradients go
     into the masters from their own backward (the copies get none); on a CPU by the same bf16
     product and fp32 add, so bit for bit too (on CUDA the sum happens inside the matmul)."""
     from colo_rl.trainer.precision import compute_copies
