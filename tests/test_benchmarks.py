@@ -19,7 +19,7 @@ from .conftest import ROOT, compose_config
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from run import KINDS, load_armsets, step_kind, words  # noqa: E402
+from run import KINDS, load_armsets, startup_runs, step_kind, words  # noqa: E402
 from workload import PEER, SMOKE  # noqa: E402
 
 from colo_rl.config import validate  # noqa: E402
@@ -98,7 +98,7 @@ def check_step(step: dict, spec: dict, kind: str) -> None:
         for name, arm in step["arms"].items():
             assert arm["exit_code"] == 0 and arm["raw"]["median_step_s"] > 0, (name, arm.get("output_tail"))
     elif kind == "startup":
-        assert len(raw["runs"]) == spec.get("runs", 2)
+        assert len(raw["runs"]) == startup_runs(spec, smoke=True) == 1
         assert all(run["command_to_first_step_s"] > 0 for run in raw["runs"])
     elif kind == "lora_adapters":
         assert raw["adapter_changes_greedy_tokens"] and raw["lora_tokens_per_s"] > 0
@@ -145,6 +145,7 @@ def test_every_arm_set_runs_whole_in_its_cpu_smoke_form(name, smoke_call):
     assert not list(tmp.glob("colo_rl_bench_*"))  # the temporary work directories are gone
 
 
+@pytest.mark.slow
 def test_a_smoke_call_of_several_arm_sets_runs_a_shared_step_once(smoke_call):
     """lora24_tests is made of other sets' steps (armsets.yaml's anchors): in one smoke call each ran
     once, and the later set points at where."""
