@@ -90,10 +90,12 @@ def job_dirs(sweep_dir: Path) -> list[Path]:
 
 
 def failed_job_dirs(sweep_dir: Path) -> list[Path]:
-    """The job directories of a multirun whose job stopped before logging a step (Hydra wrote
-    its overrides, colo_rl no metrics.jsonl), in job-number order."""
+    """The job directories of a multirun whose job stopped before logging a step (no metrics.jsonl:
+    a job refused before it held its directory left it empty, its overrides in its name), in
+    job-number order."""
     jobs = [p for p in Path(sweep_dir).iterdir()
-            if (p / ".hydra" / "overrides.yaml").is_file() and not (p / "metrics.jsonl").exists()]
+            if p.is_dir() and not (p / "metrics.jsonl").exists()
+            and ((p / ".hydra" / "overrides.yaml").is_file() or re.match(r"\d+(_|$)", p.name))]
     return sorted(jobs, key=_job_number)
 
 
