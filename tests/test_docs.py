@@ -67,3 +67,14 @@ def test_docs_config_md_is_what_the_generator_writes_now():
     assert out == config_reference()
     assert PAGE.read_text() == out, ("docs/config.md is out of date: run "
                                      "`python -m colo_rl.docs > docs/config.md` and commit it")
+
+
+def test_the_readme_is_short_and_its_links_to_this_repository_resolve():
+    """A newcomer's page: at most 250 lines; the rest lives in docs/ and benchmarks/, linked."""
+    import re
+
+    readme = ROOT / "README.md"
+    text = readme.read_text()
+    assert len(text.splitlines()) <= 250
+    for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", text):
+        assert (ROOT / target).exists(), target
