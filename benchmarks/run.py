@@ -385,8 +385,10 @@ def main(argv=None) -> int:
         return 2
     memo, failed = {}, []
     for name in names:
-        work = (args.work_dir / name if len(names) > 1 else args.work_dir) if args.work_dir else \
-            Path(tempfile.mkdtemp(prefix=f"colo_rl_bench_{name}_"))
+        if args.work_dir is None:
+            work = Path(tempfile.mkdtemp(prefix=f"colo_rl_bench_{name}_"))
+        else:  # one directory per arm set when there are several
+            work = args.work_dir / name if len(names) > 1 else args.work_dir
         work.mkdir(parents=True, exist_ok=True)
         try:
             results = run_armset(name, armsets[name], args.out, work, args.smoke, words(args.colo_rl), memo)

@@ -86,9 +86,6 @@ def translate(config: dict) -> dict:
         value = _pop(out, old)
         if value is not _ABSENT:
             _put(out, new, value)
-    trainer = out.get("trainer") if isinstance(out, dict) else None
-    if isinstance(trainer, dict) and trainer.get("dynamic_sampling") == {}:
-        del trainer["dynamic_sampling"]
     return out
 
 
@@ -96,14 +93,17 @@ _ABSENT = object()
 
 
 def _pop(tree: Any, key: str) -> Any:
-    *parents, leaf = key.split(".")
-    for part in parents:
-        if not isinstance(tree, dict) or part not in tree:
-            return _ABSENT
-        tree = tree[part]
-    if not isinstance(tree, dict) or leaf not in tree:
+    """The value at `key`, taken out; a parent it leaves empty goes too (an old group, e.g.
+    trainer.dynamic_sampling, whose keys all moved)."""
+    head, _, rest = key.partition(".")
+    if not isinstance(tree, dict) or head not in tree:
         return _ABSENT
-    return tree.pop(leaf)
+    if not rest:
+        return tree.pop(head)
+    value = _pop(tree[head], rest)
+    if tree[head] == {}:
+        del tree[head]
+    return value
 
 
 def _put(tree: dict, key: str, value: Any) -> None:

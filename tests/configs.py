@@ -7,8 +7,9 @@ import dataclasses
 
 from colo_rl.config import TrainerConfig
 
+# the groups' dataclasses (each field's default_factory is its class)
 _GROUPS = {f.name: f.default_factory for f in dataclasses.fields(TrainerConfig)
-           if f.default_factory is not dataclasses.MISSING and dataclasses.is_dataclass(f.default_factory())}
+           if dataclasses.is_dataclass(f.default_factory)}
 
 
 def trainer_config(**keys) -> TrainerConfig:
@@ -22,12 +23,12 @@ def trainer_config(**keys) -> TrainerConfig:
         if key in top:
             direct[key] = value
             continue
-        owners = [g for g, make in _GROUPS.items() if key in {f.name for f in dataclasses.fields(make())}]
+        owners = [g for g, group in _GROUPS.items() if key in {f.name for f in dataclasses.fields(group)}]
         if len(owners) != 1:
             raise TypeError(f"trainer_config: {key!r} is a key of {owners or 'no group'}; pass the group")
         grouped.setdefault(owners[0], {})[key] = value
     for group, values in grouped.items():
-        direct[group] = _GROUPS[group]().__class__(**values)
+        direct[group] = _GROUPS[group](**values)
     return TrainerConfig(**direct)
 
 
